@@ -1,0 +1,29 @@
+"""SQL storage of crossdc: models (the schema), engines and migrations, the run log, read helpers.
+
+See DESIGN.md "SQL schema". The Alembic history lives in ``migrations/`` at the repo top.
+"""
+
+from crossdc.db.engine import (
+    DEFAULT_DATABASE_URL,
+    current_revision,
+    head_revisions,
+    make_engine,
+    resolve_database_url,
+    upgrade,
+)
+from crossdc.db.errors import DatabaseError, DatabaseUnavailable, InvalidDatabaseUrl, MigrationsNotFound
+from crossdc.db.runlog import RunLog
+
+__all__ = [
+    "DEFAULT_DATABASE_URL",
+    "DatabaseError",
+    "DatabaseUnavailable",
+    "InvalidDatabaseUrl",
+    "MigrationsNotFound",
+    "RunLog",
+    "current_revision",
+    "head_revisions",
+    "make_engine",
+    "resolve_database_url",
+    "upgrade",
+]

@@ -1,0 +1,43 @@
+"""The local channel between the short-lived ClientApp and the datacenter's persistent trainer.
+
+A Unix socket with an authentication key (multiprocessing.connection): only a
+process that can read the run's key file can hand work to the trainer.
+Numpy only on this side, so a ClientApp never imports torch.
+"""
+
+from __future__ import annotations
+
+import time
+from multiprocessing.connection import Client
+from pathlib import Path
+from typing import Any
+
+
+class TrainerUnavailable(RuntimeError):
+    """The datacenter's trainer did not answer on its socket."""
+
+
+class TrainerFailed(RuntimeError):
+    """The trainer answered with an error for this request."""
+
+
+def call_trainer(socket_path: str | Path, authkey: bytes, request: dict[str, Any], connect_timeout_s: float = 30.0) -> dict[str, Any]:
+    """Send one request, wait for its answer; raise TrainerUnavailable / TrainerFailed."""
+    deadline = time.monotonic() + connect_timeout_s
+    while True:
+        try:
+            connection = Client(str(socket_path), family="AF_UNIX", authkey=authkey)
+            break
+        except (FileNotFoundError, ConnectionRefusedError) as err:
+            if time.monotonic() >= deadline:
+                raise TrainerUnavailable(f"no trainer listening on {socket_path}: {err}") from err
+            time.sleep(0.1)
+    with connection:
+        connection.send(request)
+        try:
+            answer = connection.recv()
+        except EOFError as err:
+            raise TrainerUnavailable(f"trainer on {socket_path} closed the connection mid-request") from err
+    if not answer.get("ok"):
+        raise TrainerFailed(str(answer.get("error", "unknown trainer error")))
+    return answer

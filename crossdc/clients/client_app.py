@@ -1,0 +1,75 @@
+"""The datacenter's Flower ClientApp: a thin adapter that hands each round to the persistent trainer.
+
+Flower starts a new ClientApp process per message, so this module imports no
+torch: it unwraps the message, calls the trainer over the local channel and
+wraps the trainer's answer (see :mod:`crossdc.strategies.base` for the contract).
+
+Which datacenter this node is comes from the SuperNode's node config
+(``datacenter="us-east"``); under Flower's simulation, from the node's
+``partition-id`` into the datacenter list the server sends.
+"""
+
+from __future__ import annotations
+
+import time
+from pathlib import Path
+
+from flwr.app import ConfigRecord, Context, Message, MetricRecord, RecordDict
+from flwr.clientapp import ClientApp
+
+from crossdc.clients.channel import call_trainer
+from crossdc.compression.payload import ARRAYS_KEY, CONFIG_KEY, METRICS_KEY, from_array_record, to_array_record
+from crossdc.platform.rundir import RunDir
+
+#: config keys of server → datacenter messages
+HELLO_DATACENTERS = "datacenters"
+RUN_ID = "crossdc-run-id"
+RUN_DIR = "crossdc-run-dir"
+ROUND = "round"
+TAU = "tau"
+DATACENTER = "datacenter"
+
+app = ClientApp()
+
+
+def datacenter_name(context: Context, known: list[str]) -> str:
+    """This node's datacenter: node config `datacenter`, else `partition-id` (simulation) into `known`."""
+    name = context.node_config.get("datacenter")
+    if name:
+        return str(name)
+    if "partition-id" in context.node_config:
+        return known[int(context.node_config["partition-id"])]
+    raise RuntimeError("this SuperNode has no 'datacenter' in its node config (--node-config 'datacenter=\"NAME\"')")
+
+
+@app.query()
+def hello(msg: Message, context: Context) -> Message:
+    """Tell the server which datacenter this node is."""
+    known = str(msg.content[CONFIG_KEY].get(HELLO_DATACENTERS, "")).split(",")
+    return Message(RecordDict({CONFIG_KEY: ConfigRecord({DATACENTER: datacenter_name(context, known)})}), reply_to=msg)
+
+
+@app.train()
+def train(msg: Message, context: Context) -> Message:
+    """Run the round's local steps on the datacenter's trainer and return the update."""
+    started = time.perf_counter()
+    config = msg.content[CONFIG_KEY]
+    datacenter = str(config[DATACENTER])
+    run_dir = RunDir(Path(str(config[RUN_DIR])))
+    socket_path = context.node_config.get("trainer") or run_dir.trainer_socket(datacenter)
+    authkey_file = context.node_config.get("trainer-authkey-file") or run_dir.authkey_file
+    answer = call_trainer(
+        str(socket_path),
+        Path(str(authkey_file)).read_bytes(),
+        {
+            "op": "train",
+            "run_id": str(config[RUN_ID]),
+            "round": int(config[ROUND]),
+            "tau": int(config[TAU]),
+            "weights": from_array_record(msg.content[ARRAYS_KEY]),
+        },
+    )
+    metrics = dict(answer["metrics"])
+    metrics["clientapp-s"] = time.perf_counter() - started
+    content = RecordDict({ARRAYS_KEY: to_array_record(answer["delta"]), METRICS_KEY: MetricRecord(metrics)})
+    return Message(content, reply_to=msg)

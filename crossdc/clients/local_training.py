@@ -1,0 +1,121 @@
+"""Local optimisation on one datacenter's data (also used by the single-datacenter baselines).
+
+Promises: `train_steps(n)` runs exactly n optimizer steps; the optimizer state
+and the position in the (seeded, reshuffled every epoch) data order carry over
+between calls, so several short calls equal one long call.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+import torch
+from torch.utils.data import TensorDataset
+
+from crossdc.workloads import Workload, make_optimizer
+
+
+@dataclass(frozen=True)
+class StepsResult:
+    """What `train_steps` did: mean loss over the steps, examples seen, seconds of compute."""
+
+    steps: int
+    mean_loss: float
+    num_examples: int
+    compute_s: float
+
+
+def model_weights(model: torch.nn.Module) -> dict[str, np.ndarray]:
+    """The model's state (parameters and persistent buffers) as float32 numpy copies, in state_dict order."""
+    return {name: tensor.detach().cpu().numpy().astype(np.float32, copy=True) for name, tensor in model.state_dict().items()}
+
+
+def load_model_weights(model: torch.nn.Module, arrays: Mapping[str, np.ndarray]) -> None:
+    """Load named numpy arrays into the model; names and shapes must match exactly."""
+    state = model.state_dict()
+    if set(arrays) != set(state):
+        missing, extra = sorted(set(state) - set(arrays)), sorted(set(arrays) - set(state))
+        raise ValueError(f"weights do not match the model: missing {missing[:3]}, unexpected {extra[:3]}")
+    with torch.no_grad():
+        for name, tensor in state.items():
+            value = arrays[name]
+            if tuple(value.shape) != tuple(tensor.shape):
+                raise ValueError(f"weight '{name}' has shape {tuple(value.shape)}, model expects {tuple(tensor.shape)}")
+            tensor.copy_(torch.from_numpy(np.asarray(value)).to(tensor.dtype))
+
+
+class BatchStream:
+    """Endless mini-batches over a dataset: a seeded permutation per epoch, no example repeated within an epoch."""
+
+    def __init__(self, dataset: TensorDataset, batch_size: int, seed: int) -> None:
+        if len(dataset) == 0:
+            raise ValueError("cannot train on an empty dataset")
+        self.tensors = dataset.tensors
+        self.size = len(dataset)
+        self.batch_size = min(batch_size, self.size)
+        self.generator = torch.Generator().manual_seed(seed)
+        self.order = torch.randperm(self.size, generator=self.generator)
+        self.position = 0
+
+    def next(self) -> tuple[torch.Tensor, ...]:
+        if self.position + self.batch_size > self.size:
+            self.order = torch.randperm(self.size, generator=self.generator)
+            self.position = 0
+        index = self.order[self.position : self.position + self.batch_size]
+        self.position += self.batch_size
+        return tuple(t[index] for t in self.tensors)
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"generator": self.generator.get_state(), "order": self.order.clone(), "position": self.position}
+
+    def load_state_dict(self, state: Mapping[str, Any]) -> None:
+        self.generator.set_state(state["generator"])
+        self.order = state["order"].clone()
+        self.position = int(state["position"])
+
+
+class LocalTrainer:
+    """One model, one optimizer, one data stream: the unit of local training."""
+
+    def __init__(self, workload: Workload, dataset: TensorDataset, batch_size: int, optimizer: str, lr: float, seed: int) -> None:
+        torch.manual_seed(seed)
+        self.workload = workload
+        self.model = workload.make_model()
+        self.optimizer = make_optimizer(optimizer, self.model.parameters(), lr)
+        self.stream = BatchStream(dataset, batch_size, seed)
+
+    def set_weights(self, arrays: Mapping[str, np.ndarray]) -> None:
+        load_model_weights(self.model, arrays)
+
+    def get_weights(self) -> dict[str, np.ndarray]:
+        return model_weights(self.model)
+
+    def train_steps(self, steps: int, extra_loss: Any = None) -> StepsResult:
+        """Run exactly `steps` optimizer steps; `extra_loss(model)` (optional) is added to each step's loss."""
+        if steps < 1:
+            raise ValueError(f"steps must be ≥ 1, got {steps}")
+        self.model.train()
+        total_loss, examples = 0.0, 0
+        started = time.perf_counter()
+        for _ in range(steps):
+            inputs, targets = self.stream.next()
+            self.optimizer.zero_grad(set_to_none=True)
+            loss = self.workload.loss(self.model(inputs), targets)
+            objective = loss if extra_loss is None else loss + extra_loss(self.model)
+            objective.backward()
+            self.optimizer.step()
+            total_loss += float(loss.detach())
+            examples += int(inputs.shape[0])
+        return StepsResult(steps=steps, mean_loss=total_loss / steps, num_examples=examples, compute_s=time.perf_counter() - started)
+
+    def state_dict(self) -> dict[str, Any]:
+        """Optimizer state and data position (what must survive a restart), not the weights."""
+        return {"optimizer": self.optimizer.state_dict(), "stream": self.stream.state_dict()}
+
+    def load_state_dict(self, state: Mapping[str, Any]) -> None:
+        self.optimizer.load_state_dict(state["optimizer"])
+        self.stream.load_state_dict(state["stream"])

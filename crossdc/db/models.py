@@ -1,0 +1,223 @@
+"""SQLAlchemy models: the SQL schema of DESIGN.md ("SQL schema").
+
+Column names are the API's field names. Conventions:
+
+* timestamps are ``DateTime(timezone=True)`` and always written in UTC
+  (SQLite stores them without an offset; :mod:`crossdc.db.queries` hands them
+  back as aware UTC datetimes on both backends);
+* byte counts are 64-bit integers; durations are float seconds;
+* status-like columns are plain strings guarded by named CHECK constraints
+  (portable, and cheap to extend in a later revision);
+* every table that references a run has ``run_id`` -> ``runs.id``
+  ``ON DELETE CASCADE`` and an index on ``run_id``;
+* Flower run ids are unsigned 64-bit, so ``runs.flower_run_ids`` is text
+  (comma-separated decimal ids, oldest first).
+
+Any change here needs a new Alembic revision in ``migrations/versions/``
+(``tests/test_db.py`` checks that the migrated schema matches these models).
+"""
+
+from __future__ import annotations
+
+from datetime import datetime
+from typing import Any
+
+from sqlalchemy import (
+    JSON,
+    BigInteger,
+    CheckConstraint,
+    DateTime,
+    Float,
+    ForeignKey,
+    Integer,
+    MetaData,
+    String,
+    Text,
+    UniqueConstraint,
+)
+from sqlalchemy.orm import DeclarativeBase, Mapped, mapped_column
+
+# Allowed values of the status-like columns (DESIGN.md "SQL schema").
+RUN_STATUSES: tuple[str, ...] = ("running", "finished", "failed", "interrupted")
+BASELINES: tuple[str, ...] = ("none", "all-workers", "sequential")
+DATACENTER_ROUND_STATUSES: tuple[str, ...] = ("ok", "failed", "timeout", "rejected")
+ASYNC_UPDATE_STATUSES: tuple[str, ...] = ("applied", "discarded")
+DATACENTER_STATUSES: tuple[str, ...] = ("active", "suspended", "revoked")
+
+# Deterministic constraint names: Alembic (and SQLite batch mode) need them.
+NAMING_CONVENTION = {
+    "ix": "ix_%(column_0_label)s",
+    "uq": "uq_%(table_name)s_%(column_0_N_name)s",
+    "ck": "ck_%(table_name)s_%(constraint_name)s",
+    "fk": "fk_%(table_name)s_%(column_0_name)s_%(referred_table_name)s",
+    "pk": "pk_%(table_name)s",
+}
+
+# 64-bit surrogate keys on PostgreSQL; SQLite needs INTEGER PRIMARY KEY for its rowid alias.
+_BigId = BigInteger().with_variant(Integer(), "sqlite")
+
+
+def _in(column: str, values: tuple[str, ...]) -> str:
+    quoted = ", ".join(f"'{v}'" for v in values)
+    return f"{column} IN ({quoted})"
+
+
+class Base(DeclarativeBase):
+    metadata = MetaData(naming_convention=NAMING_CONVENTION)
+
+
+def _run_fk() -> Any:
+    return ForeignKey("runs.id", ondelete="CASCADE")
+
+
+class Run(Base):
+    __tablename__ = "runs"
+    __table_args__ = (
+        CheckConstraint(_in("status", RUN_STATUSES), name="status"),
+        CheckConstraint(_in("baseline", BASELINES), name="baseline"),
+    )
+
+    id: Mapped[str] = mapped_column(String(64), primary_key=True)
+    name: Mapped[str] = mapped_column(Text)
+    strategy: Mapped[str] = mapped_column(Text)
+    config: Mapped[dict[str, Any]] = mapped_column(JSON)
+    status: Mapped[str] = mapped_column(String(16), index=True)
+    started_at: Mapped[datetime] = mapped_column(DateTime(timezone=True))
+    finished_at: Mapped[datetime | None] = mapped_column(DateTime(timezone=True))
+    # Comma-separated decimal Flower run ids (unsigned 64-bit), oldest first; "" if none yet.
+    flower_run_ids: Mapped[str] = mapped_column(Text, default="")
+    baseline: Mapped[str] = mapped_column(String(16), default="none")
+    rounds_planned: Mapped[int] = mapped_column(Integer)
+    error: Mapped[str | None] = mapped_column(Text)
+    last_heartbeat: Mapped[datetime | None] = mapped_column(DateTime(timezone=True))
+    # Final summary (incl. gaps to baselines), written by finish_run.
+    result: Mapped[dict[str, Any] | None] = mapped_column(JSON)
+
+
+class Round(Base):
+    __tablename__ = "rounds"
+    __table_args__ = (UniqueConstraint("run_id", "round"),)
+
+    id: Mapped[int] = mapped_column(_BigId, primary_key=True, autoincrement=True)
+    run_id: Mapped[str] = mapped_column(String(64), _run_fk(), index=True)
+    round: Mapped[int] = mapped_column(Integer)
+    tau: Mapped[int | None] = mapped_column(Integer)
+    val_loss: Mapped[float | None] = mapped_column(Float)
+    val_accuracy: Mapped[float | None] = mapped_column(Float)
+    bytes_up: Mapped[int] = mapped_column(BigInteger, default=0)
+    bytes_down: Mapped[int] = mapped_column(BigInteger, default=0)
+    bytes_up_raw: Mapped[int] = mapped_column(BigInteger, default=0)
+    wall_s: Mapped[float | None] = mapped_column(Float)
+    eval_s: Mapped[float | None] = mapped_column(Float)
+
+
+class DatacenterRound(Base):
+    __tablename__ = "datacenter_rounds"
+    __table_args__ = (
+        UniqueConstraint("run_id", "round", "datacenter"),
+        CheckConstraint(_in("status", DATACENTER_ROUND_STATUSES), name="status"),
+    )
+
+    id: Mapped[int] = mapped_column(_BigId, primary_key=True, autoincrement=True)
+    run_id: Mapped[str] = mapped_column(String(64), _run_fk(), index=True)
+    # In an async run: the global version at which the update was applied.
+    round: Mapped[int] = mapped_column(Integer)
+    datacenter: Mapped[str] = mapped_column(String(128))
+    status: Mapped[str] = mapped_column(String(16))
+    reason: Mapped[str | None] = mapped_column(Text)
+    bytes_up: Mapped[int] = mapped_column(BigInteger, default=0)
+    bytes_down: Mapped[int] = mapped_column(BigInteger, default=0)
+    bytes_up_raw: Mapped[int] = mapped_column(BigInteger, default=0)
+    compute_s: Mapped[float | None] = mapped_column(Float)
+    comm_s: Mapped[float | None] = mapped_column(Float)
+    overhead_s: Mapped[float | None] = mapped_column(Float)
+    round_s: Mapped[float | None] = mapped_column(Float)
+    # How comm_s was obtained, e.g. "message-timestamps" or "relay".
+    comm_source: Mapped[str | None] = mapped_column(Text)
+    train_loss: Mapped[float | None] = mapped_column(Float)
+    num_examples: Mapped[int | None] = mapped_column(BigInteger)
+    drift_l2: Mapped[float | None] = mapped_column(Float)
+    update_cosine: Mapped[float | None] = mapped_column(Float)
+    staleness: Mapped[int | None] = mapped_column(Integer)
+
+
+class AsyncUpdate(Base):
+    __tablename__ = "async_updates"
+    __table_args__ = (
+        UniqueConstraint("run_id", "seq"),
+        CheckConstraint(_in("status", ASYNC_UPDATE_STATUSES), name="status"),
+    )
+
+    id: Mapped[int] = mapped_column(_BigId, primary_key=True, autoincrement=True)
+    run_id: Mapped[str] = mapped_column(String(64), _run_fk(), index=True)
+    seq: Mapped[int] = mapped_column(BigInteger)
+    datacenter: Mapped[str] = mapped_column(String(128))
+    base_version: Mapped[int] = mapped_column(BigInteger)
+    applied_version: Mapped[int | None] = mapped_column(BigInteger)
+    staleness: Mapped[int] = mapped_column(Integer)
+    scale: Mapped[float | None] = mapped_column(Float)
+    status: Mapped[str] = mapped_column(String(16))
+    bytes_up: Mapped[int] = mapped_column(BigInteger, default=0)
+
+
+class Event(Base):
+    __tablename__ = "events"
+
+    id: Mapped[int] = mapped_column(_BigId, primary_key=True, autoincrement=True)
+    run_id: Mapped[str] = mapped_column(String(64), _run_fk(), index=True)
+    at: Mapped[datetime] = mapped_column(DateTime(timezone=True))
+    round: Mapped[int | None] = mapped_column(Integer)
+    kind: Mapped[str] = mapped_column(String(64))
+    datacenter: Mapped[str | None] = mapped_column(String(128))
+    # A JSON object, or a JSON string for a plain message.
+    detail: Mapped[Any | None] = mapped_column(JSON)
+
+
+class Datacenter(Base):
+    __tablename__ = "datacenters"
+    __table_args__ = (
+        UniqueConstraint("name"),
+        CheckConstraint(_in("status", DATACENTER_STATUSES), name="status"),
+    )
+
+    id: Mapped[int] = mapped_column(Integer, primary_key=True, autoincrement=True)
+    name: Mapped[str] = mapped_column(String(128))
+    region: Mapped[str | None] = mapped_column(Text)
+    gpus: Mapped[int | None] = mapped_column(Integer)
+    public_key: Mapped[str | None] = mapped_column(Text)
+    status: Mapped[str] = mapped_column(String(16), default="active")
+    enrolled_at: Mapped[datetime] = mapped_column(DateTime(timezone=True))
+    last_seen: Mapped[datetime | None] = mapped_column(DateTime(timezone=True))
+    link_bandwidth_mbps: Mapped[float | None] = mapped_column(Float)
+    link_rtt_ms: Mapped[float | None] = mapped_column(Float)
+
+
+class Checkpoint(Base):
+    __tablename__ = "checkpoints"
+    __table_args__ = (UniqueConstraint("run_id", "round"),)
+
+    id: Mapped[int] = mapped_column(_BigId, primary_key=True, autoincrement=True)
+    run_id: Mapped[str] = mapped_column(String(64), _run_fk(), index=True)
+    round: Mapped[int] = mapped_column(Integer)
+    uri: Mapped[str] = mapped_column(Text)
+    created_at: Mapped[datetime] = mapped_column(DateTime(timezone=True))
+
+
+metadata = Base.metadata
+
+__all__ = [
+    "ASYNC_UPDATE_STATUSES",
+    "BASELINES",
+    "DATACENTER_ROUND_STATUSES",
+    "DATACENTER_STATUSES",
+    "RUN_STATUSES",
+    "AsyncUpdate",
+    "Base",
+    "Checkpoint",
+    "Datacenter",
+    "DatacenterRound",
+    "Event",
+    "Round",
+    "Run",
+    "metadata",
+]

@@ -1,0 +1,112 @@
+"""Small read helpers (tests, CLI). Rows come back as plain dicts keyed by column name.
+
+Every helper takes an ``Engine``, a ``Connection`` or an ORM ``Session``.
+Timestamps are returned as timezone-aware UTC datetimes on every backend
+(SQLite stores them without an offset). Ordering follows the logical clock
+(round, datacenter name, insertion order), never wall-clock time.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from datetime import datetime, timezone
+from typing import Any
+
+from sqlalchemy import Connection, Engine, Executable, Table, select
+from sqlalchemy.orm import Session
+
+from crossdc.db.models import AsyncUpdate, Checkpoint, Datacenter, DatacenterRound, Event, Round, Run
+
+Bind = Engine | Connection | Session
+
+_RUNS: Table = Run.__table__  # type: ignore[assignment]
+_ROUNDS: Table = Round.__table__  # type: ignore[assignment]
+_DC_ROUNDS: Table = DatacenterRound.__table__  # type: ignore[assignment]
+_EVENTS: Table = Event.__table__  # type: ignore[assignment]
+_DATACENTERS: Table = Datacenter.__table__  # type: ignore[assignment]
+_CHECKPOINTS: Table = Checkpoint.__table__  # type: ignore[assignment]
+_ASYNC: Table = AsyncUpdate.__table__  # type: ignore[assignment]
+
+
+def _utc(value: Any) -> Any:
+    if isinstance(value, datetime):
+        return value.replace(tzinfo=timezone.utc) if value.tzinfo is None else value.astimezone(timezone.utc)
+    return value
+
+
+def _rows(bind: Bind, stmt: Executable) -> list[dict[str, Any]]:
+    if isinstance(bind, Engine):
+        with bind.connect() as conn:
+            result = conn.execute(stmt).mappings().all()
+    else:
+        result = bind.execute(stmt).mappings().all()
+    return [{k: _utc(v) for k, v in row.items()} for row in result]
+
+
+def _ordered(table: Table, run_id: str | None, order: Iterable[Any]) -> Any:
+    stmt = select(table)
+    if run_id is not None:
+        stmt = stmt.where(table.c.run_id == run_id)
+    return stmt.order_by(*order)
+
+
+def get_run(bind: Bind, run_id: str) -> dict[str, Any] | None:
+    """The ``runs`` row of ``run_id``, or ``None``."""
+    rows = _rows(bind, select(_RUNS).where(_RUNS.c.id == run_id))
+    return rows[0] if rows else None
+
+
+def list_runs(bind: Bind, *, limit: int | None = None) -> list[dict[str, Any]]:
+    """All runs, newest first."""
+    stmt = select(_RUNS).order_by(_RUNS.c.started_at.desc(), _RUNS.c.id)
+    if limit is not None:
+        stmt = stmt.limit(limit)
+    return _rows(bind, stmt)
+
+
+def list_rounds(bind: Bind, run_id: str) -> list[dict[str, Any]]:
+    """The run's ``rounds`` rows, by round."""
+    return _rows(bind, _ordered(_ROUNDS, run_id, (_ROUNDS.c.round,)))
+
+
+def list_datacenter_rounds(bind: Bind, run_id: str) -> list[dict[str, Any]]:
+    """The run's ``datacenter_rounds`` rows, by round then datacenter."""
+    return _rows(bind, _ordered(_DC_ROUNDS, run_id, (_DC_ROUNDS.c.round, _DC_ROUNDS.c.datacenter)))
+
+
+def list_events(bind: Bind, run_id: str) -> list[dict[str, Any]]:
+    """The run's ``events`` rows, in the order they were logged."""
+    return _rows(bind, _ordered(_EVENTS, run_id, (_EVENTS.c.id,)))
+
+
+def list_async_updates(bind: Bind, run_id: str) -> list[dict[str, Any]]:
+    """The run's ``async_updates`` rows, by sequence number."""
+    return _rows(bind, _ordered(_ASYNC, run_id, (_ASYNC.c.seq,)))
+
+
+def list_checkpoints(bind: Bind, run_id: str) -> list[dict[str, Any]]:
+    """The run's ``checkpoints`` rows, by round."""
+    return _rows(bind, _ordered(_CHECKPOINTS, run_id, (_CHECKPOINTS.c.round,)))
+
+
+def list_datacenters(bind: Bind) -> list[dict[str, Any]]:
+    """All ``datacenters`` rows, by name."""
+    return _rows(bind, select(_DATACENTERS).order_by(_DATACENTERS.c.name))
+
+
+def parse_flower_run_ids(text: str | None) -> list[int]:
+    """``runs.flower_run_ids`` ("123,456") as integers, oldest first."""
+    return [int(part) for part in (text or "").split(",") if part.strip()]
+
+
+__all__ = [
+    "get_run",
+    "list_async_updates",
+    "list_checkpoints",
+    "list_datacenter_rounds",
+    "list_datacenters",
+    "list_events",
+    "list_rounds",
+    "list_runs",
+    "parse_flower_run_ids",
+]

@@ -1,0 +1,315 @@
+"""The experiment config: a TOML file parsed into typed, validated dataclasses.
+
+Promises:
+- every key is checked: an unknown or misspelt key is an error naming the key
+  (with a suggestion when one is close);
+- a documented key whose feature is not built yet fails with "not implemented
+  yet" instead of being silently ignored;
+- every error is a :class:`ConfigError` whose message is one line.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import difflib
+import json
+import re
+import tomllib
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from crossdc.platform.links import LINK_PROFILES, LinkSpec
+
+
+class ConfigError(ValueError):
+    """A config file is malformed; the message names the key and the problem."""
+
+
+_NAME_RE = re.compile(r"^[a-z0-9][a-z0-9-]{0,62}$")
+
+
+@dataclass(frozen=True)
+class TauSchedule:
+    """Local steps per round: from `start` to `end` over `warmup_rounds` (see strategies.schedule)."""
+
+    start: int = 1
+    end: int = 1
+    warmup_rounds: int = 0
+    kind: str = "linear"
+
+
+@dataclass(frozen=True)
+class RunSection:
+    name: str = "crossdc-run"
+    rounds: int = 10
+    seed: int = 0
+    eval_every: int = 1
+    min_replies: int = 0
+    round_timeout_s: float = 3600.0
+
+
+@dataclass(frozen=True)
+class WorkloadSection:
+    dataset: str = "synthetic"
+    model: str = "linear"
+    model_args: dict[str, Any] = field(default_factory=dict)
+    partition: dict[str, Any] = field(default_factory=lambda: {"kind": "iid"})
+    batch_size: int = 32
+    optimizer: str = "adamw"
+    lr: float = 1e-3
+
+
+@dataclass(frozen=True)
+class StrategySection:
+    name: str = "fedavg"
+    tau: TauSchedule = field(default_factory=TauSchedule)
+    params: dict[str, Any] = field(default_factory=dict)
+
+
+@dataclass(frozen=True)
+class DatacenterSection:
+    name: str
+    workers: int = 1
+    link: LinkSpec | None = None
+    speed: float = 1.0
+    region: str | None = None
+
+
+@dataclass(frozen=True)
+class ExperimentConfig:
+    """A whole experiment, validated. `raw` keeps the parsed TOML for the run log."""
+
+    run: RunSection
+    workload: WorkloadSection
+    strategy: StrategySection
+    datacenters: tuple[DatacenterSection, ...]
+    raw: dict[str, Any] = field(default_factory=dict, compare=False)
+
+    @property
+    def datacenter_names(self) -> list[str]:
+        return [dc.name for dc in self.datacenters]
+
+    def to_json(self) -> str:
+        return json.dumps(self.raw, sort_keys=True)
+
+
+# Sections and keys that are part of the documented format but belong to later
+# work. Setting them to anything but their neutral value fails loudly.
+_NOT_YET: dict[str, dict[str, Any]] = {
+    "compression": {"codecs": [], "downlink_codecs": []},
+    "checkpoint": {"every_rounds": 0, "dir": "checkpoints/", "keep": 3},
+    "security": {"robust_aggregation": "none", "norm_rejection_factor": 0},
+}
+_NOT_YET_RUN_KEYS = {"deadline"}
+
+
+def _check_keys(table: dict[str, Any], allowed: set[str], where: str) -> None:
+    for key in table:
+        if key not in allowed:
+            close = difflib.get_close_matches(key, sorted(allowed), n=1)
+            hint = f" (did you mean '{close[0]}'?)" if close else ""
+            known = ", ".join(sorted(allowed))
+            raise ConfigError(f"unknown key '{where}{key}'{hint}; known keys here: {known}")
+
+
+def _table(doc: dict[str, Any], name: str, required: bool) -> dict[str, Any]:
+    if name not in doc:
+        if required:
+            raise ConfigError(f"missing section [{name}]")
+        return {}
+    value = doc[name]
+    if not isinstance(value, dict):
+        raise ConfigError(f"[{name}] must be a table")
+    return value
+
+
+def _typed(table: dict[str, Any], key: str, kind: type | tuple[type, ...], where: str, default: Any = dataclasses.MISSING) -> Any:
+    if key not in table:
+        if default is dataclasses.MISSING:
+            raise ConfigError(f"missing key '{where}{key}'")
+        return default
+    value = table[key]
+    kinds = kind if isinstance(kind, tuple) else (kind,)
+    if float in kinds and isinstance(value, int) and not isinstance(value, bool):
+        value = float(value)
+    if isinstance(value, bool) and bool not in kinds:
+        raise ConfigError(f"'{where}{key}' must be {_kind_name(kinds)}, got {value!r}")
+    if not isinstance(value, kinds):
+        raise ConfigError(f"'{where}{key}' must be {_kind_name(kinds)}, got {value!r}")
+    return value
+
+
+def _kind_name(kinds: tuple[type, ...]) -> str:
+    names = {int: "an integer", float: "a number", str: "a string", dict: "a table", list: "a list", bool: "true/false"}
+    return " or ".join(names.get(k, k.__name__) for k in kinds)
+
+
+def _positive(value: float, key: str, allow_zero: bool = False) -> None:
+    if value < 0 or (value == 0 and not allow_zero):
+        raise ConfigError(f"'{key}' must be {'≥ 0' if allow_zero else '> 0'}, got {value!r}")
+
+
+def _parse_run(doc: dict[str, Any]) -> RunSection:
+    t = _table(doc, "run", required=True)
+    _check_keys(t, {"name", "rounds", "seed", "eval_every", "min_replies", "round_timeout_s"} | _NOT_YET_RUN_KEYS, "run.")
+    for key in _NOT_YET_RUN_KEYS & set(t):
+        raise ConfigError(f"'run.{key}' is not implemented yet")
+    name = _typed(t, "name", str, "run.", "crossdc-run")
+    rounds = _typed(t, "rounds", int, "run.")
+    _positive(rounds, "run.rounds")
+    seed = _typed(t, "seed", int, "run.", 0)
+    eval_every = _typed(t, "eval_every", int, "run.", 1)
+    _positive(eval_every, "run.eval_every")
+    min_replies = _typed(t, "min_replies", int, "run.", 0)
+    _positive(min_replies, "run.min_replies", allow_zero=True)
+    timeout = _typed(t, "round_timeout_s", float, "run.", 3600.0)
+    _positive(timeout, "run.round_timeout_s")
+    return RunSection(name=name, rounds=rounds, seed=seed, eval_every=eval_every, min_replies=min_replies, round_timeout_s=timeout)
+
+
+def _parse_workload(doc: dict[str, Any]) -> WorkloadSection:
+    t = _table(doc, "workload", required=True)
+    _check_keys(t, {"dataset", "model", "model_args", "partition", "batch_size", "optimizer", "lr"}, "workload.")
+    partition = _typed(t, "partition", dict, "workload.", {"kind": "iid"})
+    _check_keys(partition, {"kind", "alpha"}, "workload.partition.")
+    if "kind" not in partition:
+        raise ConfigError("missing key 'workload.partition.kind'")
+    batch_size = _typed(t, "batch_size", int, "workload.", 32)
+    _positive(batch_size, "workload.batch_size")
+    lr = _typed(t, "lr", float, "workload.", 1e-3)
+    _positive(lr, "workload.lr")
+    return WorkloadSection(
+        dataset=_typed(t, "dataset", str, "workload."),
+        model=_typed(t, "model", str, "workload."),
+        model_args=dict(_typed(t, "model_args", dict, "workload.", {})),
+        partition=dict(partition),
+        batch_size=batch_size,
+        optimizer=_typed(t, "optimizer", str, "workload.", "adamw"),
+        lr=lr,
+    )
+
+
+def _parse_tau(value: Any) -> TauSchedule:
+    if isinstance(value, int) and not isinstance(value, bool):
+        if value <= 0:
+            raise ConfigError(f"'strategy.tau' must be > 0, got {value}")
+        return TauSchedule(start=value, end=value, warmup_rounds=0)
+    if not isinstance(value, dict):
+        raise ConfigError(f"'strategy.tau' must be an integer or a table {{ start, end, warmup_rounds }}, got {value!r}")
+    _check_keys(value, {"start", "end", "warmup_rounds", "kind"}, "strategy.tau.")
+    start = _typed(value, "start", int, "strategy.tau.")
+    end = _typed(value, "end", int, "strategy.tau.", start)
+    warmup = _typed(value, "warmup_rounds", int, "strategy.tau.", 0)
+    kind = _typed(value, "kind", str, "strategy.tau.", "linear")
+    _positive(start, "strategy.tau.start")
+    _positive(end, "strategy.tau.end")
+    _positive(warmup, "strategy.tau.warmup_rounds", allow_zero=True)
+    if kind not in ("linear", "geometric"):
+        raise ConfigError(f"'strategy.tau.kind' must be 'linear' or 'geometric', got {kind!r}")
+    return TauSchedule(start=start, end=end, warmup_rounds=warmup, kind=kind)
+
+
+def _parse_strategy(doc: dict[str, Any]) -> StrategySection:
+    t = _table(doc, "strategy", required=True)
+    _check_keys(t, {"name", "tau", "params"}, "strategy.")
+    return StrategySection(
+        name=_typed(t, "name", str, "strategy."),
+        tau=_parse_tau(t.get("tau", 1)),
+        params=dict(_typed(t, "params", dict, "strategy.", {})),
+    )
+
+
+def _parse_link(value: Any, where: str) -> LinkSpec | None:
+    if value is None:
+        return None
+    if isinstance(value, str):
+        if value not in LINK_PROFILES:
+            raise ConfigError(f"unknown link profile '{value}' in '{where}'; known: {', '.join(sorted(LINK_PROFILES))}")
+        return LINK_PROFILES[value]
+    if not isinstance(value, dict):
+        raise ConfigError(f"'{where}' must be a profile name or a table {{ bandwidth_mbps, rtt_ms }}")
+    _check_keys(value, {"bandwidth_mbps", "rtt_ms"}, where + ".")
+    bandwidth = _typed(value, "bandwidth_mbps", float, where + ".")
+    rtt = _typed(value, "rtt_ms", float, where + ".")
+    _positive(bandwidth, where + ".bandwidth_mbps")
+    _positive(rtt, where + ".rtt_ms", allow_zero=True)
+    return LinkSpec(name="custom", bandwidth_mbps=bandwidth, rtt_ms=rtt)
+
+
+def _parse_datacenters(doc: dict[str, Any]) -> tuple[DatacenterSection, ...]:
+    items = doc.get("datacenters")
+    if items is None or items == []:
+        raise ConfigError("no datacenters: add at least one [[datacenters]] table with a name")
+    if not isinstance(items, list) or not all(isinstance(i, dict) for i in items):
+        raise ConfigError("'datacenters' must be an array of tables ([[datacenters]])")
+    result = []
+    seen: set[str] = set()
+    for index, t in enumerate(items):
+        where = f"datacenters[{index}]."
+        _check_keys(t, {"name", "workers", "link", "speed", "region"}, where)
+        name = _typed(t, "name", str, where)
+        if not _NAME_RE.match(name):
+            raise ConfigError(f"datacenter name {name!r} must be lower-case letters, digits and '-' (at most 63)")
+        if name in seen:
+            raise ConfigError(f"datacenter name '{name}' appears twice")
+        seen.add(name)
+        workers = _typed(t, "workers", int, where, 1)
+        _positive(workers, where + "workers")
+        if workers != 1:
+            raise ConfigError(f"'{where}workers' = {workers}: several local workers (DDP) is not implemented yet")
+        speed = _typed(t, "speed", float, where, 1.0)
+        _positive(speed, where + "speed")
+        if speed != 1.0:
+            raise ConfigError(f"'{where}speed' is not implemented yet")
+        link = _parse_link(t.get("link"), where + "link")
+        if link is not None:
+            raise ConfigError(f"'{where}link': WAN link emulation is not implemented yet (runs use loopback)")
+        result.append(DatacenterSection(name=name, workers=workers, link=link, speed=speed, region=_typed(t, "region", str, where, None)))
+    return tuple(result)
+
+
+def _parse_not_yet(doc: dict[str, Any]) -> None:
+    for section, neutral in _NOT_YET.items():
+        t = _table(doc, section, required=False)
+        _check_keys(t, set(neutral), f"{section}.")
+        for key, value in t.items():
+            if value != neutral[key]:
+                raise ConfigError(f"'{section}.{key}' is not implemented yet")
+
+
+def parse_config(doc: dict[str, Any]) -> ExperimentConfig:
+    """Validate a parsed TOML document and return the typed config."""
+    if not isinstance(doc, dict):
+        raise ConfigError("a config must be a TOML document of tables")
+    _check_keys(doc, {"run", "workload", "strategy", "datacenters", *_NOT_YET}, "")
+    _parse_not_yet(doc)
+    config = ExperimentConfig(
+        run=_parse_run(doc),
+        workload=_parse_workload(doc),
+        strategy=_parse_strategy(doc),
+        datacenters=_parse_datacenters(doc),
+        raw=doc,
+    )
+    return config
+
+
+def load_config(path: str | Path) -> ExperimentConfig:
+    """Read and validate a TOML experiment config file."""
+    path = Path(path)
+    try:
+        text = path.read_text(encoding="utf-8")
+    except FileNotFoundError:
+        raise ConfigError(f"config file not found: {path}") from None
+    except OSError as err:
+        raise ConfigError(f"cannot read config file {path}: {err.strerror}") from None
+    try:
+        doc = tomllib.loads(text)
+    except tomllib.TOMLDecodeError as err:
+        raise ConfigError(f"{path} is not valid TOML: {err}") from None
+    return parse_config(doc)
+
+
+def config_from_json(text: str) -> ExperimentConfig:
+    """Rebuild a config from :meth:`ExperimentConfig.to_json` (used by the ServerApp and trainers)."""
+    return parse_config(json.loads(text))

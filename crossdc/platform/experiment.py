@@ -1,0 +1,47 @@
+"""Builds the pieces of an experiment from its config: workload, strategy, initial model."""
+
+from __future__ import annotations
+
+import numpy as np
+import torch
+
+from crossdc.platform.config import ExperimentConfig
+from crossdc.strategies.base import Strategy
+from crossdc.strategies.registry import strategy_class
+from crossdc.workloads import Workload, WorkloadSpec, load_workload
+
+
+def workload_spec(config: ExperimentConfig) -> WorkloadSpec:
+    w = config.workload
+    return WorkloadSpec(dataset=w.dataset, model=w.model, model_args=dict(w.model_args), partition=dict(w.partition),
+                        batch_size=w.batch_size, optimizer=w.optimizer, lr=w.lr)
+
+
+def build_workload(config: ExperimentConfig) -> Workload:
+    """The experiment's workload, partitioned over its datacenters (deterministic in the seed)."""
+    return load_workload(workload_spec(config), config.datacenter_names, config.run.seed)
+
+
+def build_strategy(config: ExperimentConfig) -> Strategy:
+    s = config.strategy
+    return strategy_class(s.name)(s.tau.start, s.tau.end, s.tau.warmup_rounds, s.tau.kind, s.params)
+
+
+def initial_model(config: ExperimentConfig, workload: Workload) -> torch.nn.Module:
+    """The global model at round 0: the same weights for every strategy given the seed."""
+    torch.manual_seed(config.run.seed)
+    return workload.make_model()
+
+
+def datacenter_seed(config: ExperimentConfig, datacenter: str) -> int:
+    """Seed of a datacenter's data order: distinct per datacenter, fixed per run seed."""
+    return config.run.seed * 1000 + 1 + config.datacenter_names.index(datacenter)
+
+
+def planned_local_steps(strategy: Strategy, rounds: int) -> list[int]:
+    """τ of every round 1..rounds."""
+    return [strategy.tau(r) for r in range(1, rounds + 1)]
+
+
+def as_float32(arrays: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
+    return {k: np.asarray(v, dtype=np.float32) for k, v in arrays.items()}

@@ -1,0 +1,255 @@
+"""Runs one experiment on this machine: trainers, a SuperLink, one SuperNode per datacenter.
+
+Promises: every process it starts (trainers, SuperLink, SuperNodes and what
+Flower spawns under them) is stopped when the run ends — on success, on error
+and on Ctrl-C — and the run's row in SQL ends as finished, failed or
+interrupted, never "running". The same ServerApp/ClientApp code runs under
+Flower's Deployment Engine (``engine="deployment"``) and its simulation
+(``engine="simulation"``).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+import time
+import uuid
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from crossdc.clients.channel import TrainerUnavailable, call_trainer
+from crossdc.db.engine import make_engine, upgrade
+from crossdc.db.queries import get_run, list_rounds
+from crossdc.db.runlog import RunLog
+from crossdc.platform.config import ExperimentConfig
+from crossdc.platform.processes import ProcessGroup, ensure_port_free, free_port, wait_for_port
+from crossdc.platform.rundir import RunDir
+
+HOST = "127.0.0.1"
+TRAINER_START_TIMEOUT_S = 180.0
+FLOWER_APP_TEMPLATE = Path(__file__).with_name("flower_app") / "pyproject.toml"
+
+ProgressCallback = Callable[[list[dict[str, Any]]], None]
+
+
+class RunFailed(RuntimeError):
+    """The run ended as failed; the message says why (the run log has details)."""
+
+
+@dataclass
+class LocalRunOptions:
+    db_url: str
+    engine: str = "deployment"  # or "simulation"
+    superlink_port: int = 8000
+    runs_root: Path = Path("runs")
+    progress: ProgressCallback | None = None
+    run_id: str | None = None
+    keep_run_dir: bool = True
+
+
+@dataclass
+class LocalRunResult:
+    run_id: str
+    summary: dict[str, Any]
+    run_dir: Path
+    trainer_pids: dict[str, int] = field(default_factory=dict)
+    child_pids: list[int] = field(default_factory=list)
+
+
+def flower_env(run_dir: RunDir) -> dict[str, str]:
+    """Environment for Flower's processes: private FLWR_HOME, no telemetry, one thread per process."""
+    env = dict(os.environ)
+    env.update(
+        FLWR_HOME=str(run_dir.flwr_home),
+        FLWR_TELEMETRY_ENABLED="0",
+        FLWR_DISABLE_UPDATE_CHECK="1",
+        OMP_NUM_THREADS="1",
+        MKL_NUM_THREADS="1",
+        PYTHONUNBUFFERED="1",
+    )
+    return env
+
+
+def _bin(name: str) -> str:
+    """An executable of this virtualenv (Flower's console scripts live beside python)."""
+    candidate = Path(sys.executable).with_name(name)
+    return str(candidate) if candidate.exists() else name
+
+
+class LocalRun:
+    """One run of one experiment on this machine (see the module docstring)."""
+
+    def __init__(self, config: ExperimentConfig, options: LocalRunOptions) -> None:
+        self.config = config
+        self.options = options
+        self.run_id = options.run_id or uuid.uuid4().hex
+        self.run_dir = RunDir(Path(options.runs_root).resolve() / self.run_id)
+        self.processes = ProcessGroup()
+        self.trainer_pids: dict[str, int] = {}
+
+    # --------------------------------------------------------------- set-up
+    def prepare(self) -> None:
+        if self.options.engine == "deployment":
+            ensure_port_free(HOST, self.options.superlink_port)
+        upgrade(self.options.db_url)
+        self.run_dir.create({"run_id": self.run_id, "db_url": self.options.db_url, "config": self.config.raw})
+        with RunLog(self.options.db_url) as runlog:
+            runlog.start_run(run_id=self.run_id, name=self.config.run.name, strategy=self.config.strategy.name,
+                             config=self.config.raw, rounds_planned=self.config.run.rounds)
+            runlog.flush(timeout=30)
+
+    def start_trainers(self) -> None:
+        env = flower_env(self.run_dir)
+        for name in self.config.datacenter_names:
+            self.processes.start(
+                f"trainer-{name}",
+                [sys.executable, "-m", "crossdc.clients.trainer", "--run-dir", str(self.run_dir.path), "--datacenter", name],
+                self.run_dir.logs / f"trainer-{name}.log", env=env,
+            )
+        authkey = self.run_dir.authkey()
+        for name, managed in zip(self.config.datacenter_names, self.processes.processes):
+            deadline = time.monotonic() + TRAINER_START_TIMEOUT_S
+            while True:
+                if managed.process.poll() is not None:
+                    raise RunFailed(f"trainer of '{name}' exited at start-up (code {managed.process.returncode}); see {managed.log_path}")
+                try:
+                    answer = call_trainer(self.run_dir.trainer_socket(name), authkey, {"op": "ping"}, connect_timeout_s=1.0)
+                    self.trainer_pids[name] = int(answer["pid"])
+                    break
+                except TrainerUnavailable:
+                    if time.monotonic() > deadline:
+                        raise RunFailed(f"trainer of '{name}' did not start within {TRAINER_START_TIMEOUT_S:.0f}s") from None
+
+    def start_flower(self) -> None:
+        env = flower_env(self.run_dir)
+        port = self.options.superlink_port
+        self.run_dir.flwr_home.mkdir(parents=True, exist_ok=True)
+        (self.run_dir.flwr_home / "config.toml").write_text(
+            f'[superlink]\ndefault = "crossdc"\n\n[superlink.crossdc]\naddress = "{HOST}:{port}"\ninsecure = true\n'
+        )
+        self.run_dir.app_dir.mkdir(parents=True, exist_ok=True)
+        shutil.copy(FLOWER_APP_TEMPLATE, self.run_dir.app_dir / "pyproject.toml")
+        superlink = self.processes.start(
+            "superlink",
+            [_bin("flower-superlink"), "--insecure", "--disable-runtime-dependency-installation", "--host", HOST, "--port", str(port)],
+            self.run_dir.logs / "superlink.log", env=env,
+        )
+        wait_for_port(HOST, port, 60, alive=superlink)
+        for name in self.config.datacenter_names:
+            node_config = f'datacenter="{name}" trainer="{self.run_dir.trainer_socket(name)}"'
+            self.processes.start(
+                f"supernode-{name}",
+                [_bin("flower-supernode"), "--insecure", "--superlink", f"{HOST}:{port}", "--port", str(free_port()), "--node-config", node_config],
+                self.run_dir.logs / f"supernode-{name}.log", env=env,
+            )
+
+    def submit(self) -> int:
+        """Submit the app to the SuperLink; returns Flower's run id."""
+        overrides = self.run_dir.path / "flower-run-config.toml"
+        overrides.write_text(f'crossdc-run-dir = "{self.run_dir.path}"\n')
+        completed = subprocess.run(
+            [_bin("flwr"), "run", str(self.run_dir.app_dir), "crossdc", "--run-config", str(overrides), "--format", "json"],
+            env=flower_env(self.run_dir), capture_output=True, text=True, timeout=120,
+        )
+        try:
+            answer = json.loads(completed.stdout)
+        except json.JSONDecodeError:
+            answer = {}
+        if completed.returncode != 0 or not answer.get("success", False) or "run-id" not in answer:
+            detail = (answer.get("error-message") or completed.stderr or completed.stdout).strip().splitlines()
+            raise RunFailed(f"Flower refused the run: {detail[-1] if detail else 'no output'}")
+        return int(answer["run-id"])
+
+    # ------------------------------------------------------------ monitoring
+    def wait(self) -> dict[str, Any]:
+        """Follow the run in SQL until it ends; report progress; fail fast if a process dies."""
+        engine = make_engine(self.options.db_url)
+        reported = 0
+        try:
+            while True:
+                run = get_run(engine, self.run_id)
+                rounds = list_rounds(engine, self.run_id)
+                if self.options.progress and len(rounds) != reported:
+                    reported = len(rounds)
+                    self.options.progress(rounds)
+                if run and run["status"] != "running":
+                    if run["status"] != "finished":
+                        raise RunFailed(f"run {self.run_id} {run['status']}: {run.get('error') or 'see the run log'}")
+                    return dict(run.get("result") or {})
+                for managed in self.processes.processes:
+                    if managed.process.poll() is not None:
+                        raise RunFailed(f"{managed.name} exited unexpectedly (code {managed.process.returncode}); see {managed.log_path}")
+                time.sleep(0.3)
+        finally:
+            engine.dispose()
+
+    # --------------------------------------------------------------- driver
+    def execute(self) -> LocalRunResult:
+        """Run the experiment to its end; always stop every process; never leave the run 'running'."""
+        self.prepare()
+        outcome_status, error = "failed", "run did not finish"
+        try:
+            self.start_trainers()
+            if self.options.engine == "simulation":
+                summary = self._simulate()
+            else:
+                self.start_flower()
+                flower_run_id = self.submit()
+                summary = self.wait()
+                summary.setdefault("flower_run_id", str(flower_run_id))
+            outcome_status = "finished"
+            return LocalRunResult(self.run_id, summary, self.run_dir.path, dict(self.trainer_pids), self.processes.pids())
+        except KeyboardInterrupt:
+            outcome_status, error = "interrupted", "interrupted by the operator (Ctrl-C)"
+            raise
+        except Exception as err:
+            error = f"{type(err).__name__}: {err}".splitlines()[0]
+            raise
+        finally:
+            self.processes.stop_all()
+            if outcome_status != "finished":
+                self._mark_ended(outcome_status, error)
+
+    def _simulate(self) -> dict[str, Any]:
+        from flwr.simulation import run_simulation
+
+        from crossdc.clients.client_app import app as client_app
+        from crossdc.platform.server_app import make_server_app
+
+        run_simulation(
+            server_app=make_server_app(self.run_dir),
+            client_app=client_app,
+            num_supernodes=len(self.config.datacenters),
+            backend_config={"client_resources": {"num_cpus": 1, "num_gpus": 0.0}, "init_args": {"num_cpus": 2, "include_dashboard": False}},
+        )
+        engine = make_engine(self.options.db_url)
+        try:
+            run = get_run(engine, self.run_id)
+        finally:
+            engine.dispose()
+        if not run or run["status"] != "finished":
+            raise RunFailed(f"run {self.run_id} {run['status'] if run else 'missing'}: {(run or {}).get('error') or 'see the log'}")
+        return dict(run.get("result") or {})
+
+    def _mark_ended(self, status: str, error: str) -> None:
+        """Record how the run ended if the ServerApp could not (it was killed, or never started)."""
+        engine = make_engine(self.options.db_url)
+        try:
+            run = get_run(engine, self.run_id)
+        finally:
+            engine.dispose()
+        if run is None or run["status"] == "running":
+            with RunLog(self.options.db_url) as runlog:
+                runlog.log_event(run_id=self.run_id, kind="run-" + status, detail=error)
+                runlog.finish_run(run_id=self.run_id, status=status, error=error)
+                runlog.flush(timeout=30)
+
+
+def run_local(config: ExperimentConfig, options: LocalRunOptions) -> LocalRunResult:
+    """Run `config` on this machine (see :class:`LocalRun`)."""
+    return LocalRun(config, options).execute()

@@ -1,0 +1,108 @@
+"""Child processes that must never outlive the command that started them.
+
+Promises: every process is started in its own session (process group), so
+stopping it also stops what it spawned (Flower's SuperExec, ServerApp and
+ClientApp processes); :meth:`ProcessGroup.stop_all` stops them in reverse
+start order, SIGTERM first and SIGKILL after a grace period, and reaps them.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import subprocess
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import IO
+
+
+class PortInUse(RuntimeError):
+    """A port the run needs is already bound by another process."""
+
+
+def ensure_port_free(host: str, port: int) -> None:
+    """Raise PortInUse if (host, port) cannot be bound now."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as probe:
+        try:
+            probe.bind((host, port))
+        except OSError:
+            raise PortInUse(f"port {port} on {host} is already in use; stop what holds it or choose another port") from None
+
+
+def free_port(host: str = "127.0.0.1") -> int:
+    """A port that was free a moment ago (the kernel's pick)."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as probe:
+        probe.bind((host, 0))
+        return int(probe.getsockname()[1])
+
+
+def wait_for_port(host: str, port: int, timeout_s: float, alive: "ManagedProcess | None" = None) -> None:
+    """Block until something accepts connections on (host, port); fail early if `alive` dies."""
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if alive is not None and alive.process.poll() is not None:
+            raise RuntimeError(f"{alive.name} exited with code {alive.process.returncode} before listening on {port}; see {alive.log_path}")
+        try:
+            with socket.create_connection((host, port), timeout=0.5):
+                return
+        except OSError:
+            time.sleep(0.1)
+    raise TimeoutError(f"nothing listened on {host}:{port} within {timeout_s:.0f}s")
+
+
+@dataclass
+class ManagedProcess:
+    name: str
+    process: subprocess.Popen[bytes]
+    log_path: Path
+    log_file: IO[bytes]
+
+
+class ProcessGroup:
+    """The processes of one local run."""
+
+    def __init__(self) -> None:
+        self.processes: list[ManagedProcess] = []
+
+    def start(self, name: str, command: list[str], log_path: Path, env: dict[str, str] | None = None, cwd: Path | None = None) -> ManagedProcess:
+        log_path.parent.mkdir(parents=True, exist_ok=True)
+        log_file = open(log_path, "ab")
+        process = subprocess.Popen(
+            command, stdout=log_file, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
+            env=env, cwd=cwd, start_new_session=True,
+        )
+        managed = ManagedProcess(name, process, log_path, log_file)
+        self.processes.append(managed)
+        return managed
+
+    def pids(self) -> list[int]:
+        return [m.process.pid for m in self.processes]
+
+    def stop_all(self, grace_s: float = 10.0) -> None:
+        """Stop every process group, newest first; SIGKILL what ignores SIGTERM; reap all."""
+        for managed in reversed(self.processes):
+            _signal_group(managed.process, signal.SIGTERM)
+        deadline = time.monotonic() + grace_s
+        for managed in reversed(self.processes):
+            remaining = max(0.0, deadline - time.monotonic())
+            try:
+                managed.process.wait(timeout=remaining)
+            except subprocess.TimeoutExpired:
+                pass
+            # whatever the leader left behind in its group goes too
+            _signal_group(managed.process, signal.SIGKILL)
+            try:
+                managed.process.wait(timeout=5)
+            except subprocess.TimeoutExpired:
+                pass
+            managed.log_file.close()
+        self.processes.clear()
+
+
+def _signal_group(process: subprocess.Popen[bytes], sig: signal.Signals) -> None:
+    try:
+        os.killpg(process.pid, sig)
+    except (ProcessLookupError, PermissionError):
+        pass
