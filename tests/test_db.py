@@ -114,11 +114,12 @@ def _pg_admin():  # type: ignore[no-untyped-def]
     try:
         return psycopg.connect(**kwargs), url
     except psycopg.OperationalError as e:
-        pytest.fail(
-            f"PostgreSQL is not reachable at {url.render_as_string(hide_password=True)}: "
-            f"{' '.join(str(e).split())}; {PG_START_HINT}",
-            pytrace=False,
-        )
+        problem = " ".join(str(e).split())
+    pytest.fail(
+        f"PostgreSQL is not reachable at {url.render_as_string(hide_password=True)}: {problem}; "
+        f"{PG_START_HINT}",
+        pytrace=False,
+    )
 
 
 @pytest.fixture

@@ -17,7 +17,7 @@ import torch
 from crossdc.workloads.base import TensorWorkload
 from crossdc.workloads.partition import dirichlet_partition, iid_partition
 
-__all__ = ["ArraySplit", "ClassificationWorkload"]
+__all__ = ["ArraySplit", "ClassificationWorkload", "make_split"]
 
 
 class ArraySplit(NamedTuple):

@@ -1,0 +1,241 @@
+"""The `crossdc` command line (DESIGN.md, "Interfaces other people script against").
+
+Every user error — a bad config, an unknown strategy or dataset, a busy port,
+an unreachable database — ends in one line on stderr and a non-zero exit code,
+with no traceback and nothing left running.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import signal
+import sys
+import uuid
+from pathlib import Path
+from typing import Any, NoReturn
+
+import typer
+
+app = typer.Typer(add_completion=False, no_args_is_help=True, help="crossdc: train one model across datacenters over a slow WAN.")
+db_app = typer.Typer(no_args_is_help=True, help="Database schema (Alembic).")
+strategies_app = typer.Typer(no_args_is_help=True, help="Registered strategies (built-in and plug-in).")
+codecs_app = typer.Typer(no_args_is_help=True, help="Registered update codecs (built-in and plug-in).")
+app.add_typer(db_app, name="db")
+app.add_typer(strategies_app, name="strategies")
+app.add_typer(codecs_app, name="codecs")
+
+DB_OPTION = typer.Option(None, "--db", help="Database URL (else $CROSSDC_DATABASE_URL, else sqlite:///crossdc.db).")
+DEMO_CONFIG = Path(__file__).parent / "platform" / "demo.toml"
+
+
+def fail(message: str, code: int = 2) -> NoReturn:
+    typer.echo(f"crossdc: error: {message}", err=True)
+    raise typer.Exit(code)
+
+
+def _user_errors() -> tuple[type[BaseException], ...]:
+    from crossdc.clients.channel import TrainerFailed, TrainerUnavailable
+    from crossdc.db.errors import DatabaseUnavailable
+    from crossdc.platform.config import ConfigError
+    from crossdc.platform.local_run import RunFailed
+    from crossdc.platform.processes import PortInUse
+    from crossdc.strategies.base import StrategyError
+    from crossdc.workloads import WorkloadError
+
+    errors: list[type[BaseException]] = [ConfigError, StrategyError, WorkloadError, PortInUse, RunFailed,
+                                          DatabaseUnavailable, TrainerFailed, TrainerUnavailable]
+    try:
+        from crossdc.db.errors import InvalidDatabaseUrl
+        errors.append(InvalidDatabaseUrl)
+    except ImportError:
+        pass
+    return tuple(errors)
+
+
+def _one_line(err: BaseException) -> str:
+    text = str(err).strip().splitlines()
+    return text[0] if text else type(err).__name__
+
+
+def _load_and_check(config_path: Path) -> Any:
+    """Parse the config and build what it names now, so a bad name fails before anything starts."""
+    from crossdc.platform.config import load_config
+    from crossdc.platform.experiment import build_strategy, build_workload
+
+    config = load_config(config_path)
+    build_strategy(config)
+    build_workload(config)
+    return config
+
+
+def _print_round(rows: list[dict[str, Any]], total: int) -> None:
+    row = rows[-1]
+    loss = "   -   " if row.get("val_loss") is None else f"{row['val_loss']:.4f}"
+    acc = "  -  " if row.get("val_accuracy") is None else f"{100 * row['val_accuracy']:.1f}%"
+    typer.echo(f"  round {row['round']:>3}/{total}  tau={row['tau']:<4} val_loss={loss}  val_acc={acc}  "
+               f"up={row['bytes_up'] / 1e6:.2f} MB  down={row['bytes_down'] / 1e6:.2f} MB  {row['wall_s']:.1f}s", err=True)
+
+
+def _run_experiment(config: Any, db_url: str, engine: str, port: int, runs_dir: Path, quiet: bool) -> dict[str, Any]:
+    from crossdc.platform.local_run import LocalRunOptions, run_local
+
+    total = config.run.rounds
+    progress = None if quiet else (lambda rows: _print_round(rows, total))
+    result = run_local(config, LocalRunOptions(db_url=db_url, engine=engine, superlink_port=port, runs_root=runs_dir, progress=progress))
+    return result.summary
+
+
+def _install_sigterm() -> None:
+    def handler(signum: int, frame: Any) -> None:
+        raise KeyboardInterrupt
+
+    signal.signal(signal.SIGTERM, handler)
+
+
+def _guard(func: Any) -> Any:
+    """Turn user errors into one-line messages and Ctrl-C into exit 130."""
+    import functools
+
+    @functools.wraps(func)
+    def wrapper(*args: Any, **kwargs: Any) -> Any:
+        _install_sigterm()
+        try:
+            return func(*args, **kwargs)
+        except typer.Exit:
+            raise
+        except KeyboardInterrupt:
+            typer.echo("crossdc: interrupted; every process it started was stopped", err=True)
+            raise typer.Exit(130)
+        except _user_errors() as err:
+            fail(_one_line(err))
+
+    return wrapper
+
+
+@app.command()
+@_guard
+def run(
+    config_path: Path = typer.Argument(..., metavar="CONFIG.toml", help="Experiment config (see examples/)."),
+    db: str | None = DB_OPTION,
+    as_json: bool = typer.Option(False, "--json", help="Print the run's summary as a JSON object on the last line."),
+    baseline: str | None = typer.Option(None, "--baseline", help="Instead of the federation, run a single-datacenter baseline: all-workers or sequential."),
+    superlink: str | None = typer.Option(None, "--superlink", help="HOST:PORT of a standing federation (not implemented yet)."),
+    port: int = typer.Option(8000, "--port", help="Port of the local SuperLink."),
+    engine: str = typer.Option("deployment", "--engine", help="deployment (SuperLink + SuperNodes) or simulation (Flower's in-process engine)."),
+    runs_dir: Path = typer.Option(Path("runs"), "--runs-dir", help="Where run folders (logs, trainer state) go."),
+) -> None:
+    """Run one experiment locally; prints the run id."""
+    from crossdc.db.engine import resolve_database_url, upgrade
+    from crossdc.platform.baselines import BASELINE_KINDS, run_baseline
+
+    if superlink is not None:
+        fail("--superlink (running on a standing federation) is not implemented yet")
+    if engine not in ("deployment", "simulation"):
+        fail(f"unknown engine '{engine}'; known: deployment, simulation")
+    if baseline is not None and baseline not in BASELINE_KINDS:
+        fail(f"unknown baseline '{baseline}'; known: {', '.join(BASELINE_KINDS)}")
+    config = _load_and_check(config_path)
+    db_url = resolve_database_url(db)
+    if baseline is not None:
+        upgrade(db_url)
+        run_id = uuid.uuid4().hex
+        typer.echo(f"run {run_id}: {baseline} baseline of {config.run.name}", err=True)
+        summary = run_baseline(config, baseline, db_url, run_id, progress=None if as_json else (lambda rows: _print_round(rows, config.run.rounds)))
+    else:
+        summary = _run_experiment(config, db_url, engine, port, runs_dir, quiet=as_json)
+    if as_json:
+        typer.echo(json.dumps(_jsonable(summary)))
+    else:
+        typer.echo(summary["run_id"])
+
+
+def _jsonable(summary: dict[str, Any]) -> dict[str, Any]:
+    return {k: (None if isinstance(v, float) and not math.isfinite(v) else v) for k, v in summary.items()}
+
+
+@app.command()
+@_guard
+def demo(
+    quick: bool = typer.Option(False, "--quick", help="2 rounds (a smoke test)."),
+    db: str | None = DB_OPTION,
+    port: int = typer.Option(8000, "--port", help="Port of the local SuperLink."),
+    runs_dir: Path = typer.Option(Path("runs"), "--runs-dir"),
+) -> None:
+    """4 datacenters, naturally non-IID Shakespeare, over loopback; then the all-workers baseline and a comparison table."""
+    from crossdc.platform.demo import run_demo
+
+    run_demo(DEMO_CONFIG, quick=quick, db=db, port=port, runs_dir=runs_dir)
+
+
+@app.command()
+def resume(run_id: str, db: str | None = DB_OPTION) -> None:
+    """Continue a run from its last checkpoint (not implemented yet)."""
+    fail("resume is not implemented yet (checkpoints are part of the fault-tolerance work)")
+
+
+@app.command()
+def serve(host: str = "127.0.0.1", port: int = 8080, db: str | None = DB_OPTION) -> None:
+    """API + dashboard (not implemented yet)."""
+    fail("serve is not implemented yet (the dashboard is its own work item)")
+
+
+@db_app.command("upgrade")
+@_guard
+def db_upgrade(db: str | None = DB_OPTION) -> None:
+    """Upgrade the database schema to the latest Alembic revision."""
+    from crossdc.db.engine import current_revision, resolve_database_url, safe_url, upgrade
+
+    url = resolve_database_url(db)
+    upgrade(url)
+    typer.echo(f"{safe_url(url)} is at revision {current_revision(url)}")
+
+
+@strategies_app.command("list")
+@_guard
+def strategies_list(as_json: bool = typer.Option(False, "--json")) -> None:
+    """List registered strategies with their parameters."""
+    from importlib.metadata import entry_points
+
+    from crossdc.strategies.registry import ENTRY_POINT_GROUP, available_strategies
+
+    origin = {ep.name: ep.value for ep in entry_points(group=ENTRY_POINT_GROUP)}
+    rows = []
+    for name, cls in sorted(available_strategies().items()):
+        rows.append({
+            "name": name,
+            "source": "built-in" if origin[name].startswith("crossdc.") else "plug-in",
+            "class": origin[name],
+            "parameters": {k: {"default": d, "help": h} for k, (d, h) in cls.parameters.items()},
+            "summary": (cls.__doc__ or "").strip().splitlines()[0],
+        })
+    if as_json:
+        typer.echo(json.dumps(rows))
+        return
+    for row in rows:
+        params = ", ".join(f"{k}={v['default']}" for k, v in row["parameters"].items()) or "no parameters"
+        typer.echo(f"{row['name']:<12} {row['source']:<9} {row['summary']}  [{params}]")
+
+
+@codecs_app.command("list")
+@_guard
+def codecs_list(as_json: bool = typer.Option(False, "--json")) -> None:
+    """List registered codecs (entry-point group crossdc.codecs)."""
+    from importlib.metadata import entry_points
+
+    rows = [{"name": ep.name, "class": ep.value} for ep in entry_points(group="crossdc.codecs")]
+    if as_json:
+        typer.echo(json.dumps(rows))
+    elif not rows:
+        typer.echo("no codecs registered yet (compression is its own work item); updates travel as dense fp32")
+    else:
+        for row in rows:
+            typer.echo(f"{row['name']:<12} {row['class']}")
+
+
+def main() -> None:
+    app()
+
+
+if __name__ == "__main__":
+    sys.exit(main())
