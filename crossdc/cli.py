@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import math
+import os
 import signal
 import sys
 import uuid
@@ -17,7 +18,7 @@ from typing import Any, NoReturn
 
 import typer
 
-app = typer.Typer(add_completion=False, no_args_is_help=True, help="crossdc: train one model across datacenters over a slow WAN.")
+app = typer.Typer(add_completion=False, no_args_is_help=True, pretty_exceptions_enable=False, help="crossdc: train one model across datacenters over a slow WAN.")
 db_app = typer.Typer(no_args_is_help=True, help="Database schema (Alembic).")
 strategies_app = typer.Typer(no_args_is_help=True, help="Registered strategies (built-in and plug-in).")
 codecs_app = typer.Typer(no_args_is_help=True, help="Registered update codecs (built-in and plug-in).")
@@ -109,6 +110,10 @@ def _guard(func: Any) -> Any:
             raise typer.Exit(130)
         except _user_errors() as err:
             fail(_one_line(err))
+        except Exception as err:  # an internal error: one line here, the traceback on request
+            if os.environ.get("CROSSDC_DEBUG"):
+                raise
+            fail(f"internal error: {type(err).__name__}: {_one_line(err)} (set CROSSDC_DEBUG=1 for the traceback)", code=1)
 
     return wrapper
 

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import dataclasses
 import time
 import uuid
 from pathlib import Path
@@ -17,7 +16,7 @@ from rich.table import Table
 from crossdc.db.engine import make_engine, resolve_database_url, safe_url, upgrade
 from crossdc.db.queries import list_datacenter_rounds
 from crossdc.platform.baselines import gap_to, run_baseline
-from crossdc.platform.config import load_config
+from crossdc.platform.config import load_config, with_rounds
 from crossdc.platform.local_run import LocalRunOptions, run_local
 
 QUICK_ROUNDS = 2
@@ -28,8 +27,7 @@ def run_demo(config_path: Path, quick: bool, db: str | None, port: int, runs_dir
     console = Console(stderr=True)
     config = load_config(config_path)
     if quick:
-        config = dataclasses.replace(config, run=dataclasses.replace(config.run, rounds=QUICK_ROUNDS))
-        config.raw["run"]["rounds"] = QUICK_ROUNDS
+        config = with_rounds(config, QUICK_ROUNDS)
     db_url = resolve_database_url(db)
     upgrade(db_url)
     names = ", ".join(config.datacenter_names)

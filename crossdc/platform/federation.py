@@ -144,6 +144,7 @@ def _run(grid: Grid, run_dir: RunDir, run_id: str, config: ExperimentConfig, run
     runlog.log_event(run_id=run_id, kind="federation-ready", round=0, detail={"datacenters": sorted(nodes)})
     run_started = time.perf_counter()
     totals = {"bytes_up": 0, "bytes_down": 0}
+    trainer_pids: dict[str, list[int]] = {name: [] for name in nodes}
     val_loss = val_accuracy = float("nan")
     needed = config.run.min_replies or len(nodes)
     for server_round in range(1, config.run.rounds + 1):
@@ -206,6 +207,11 @@ def _run(grid: Grid, run_dir: RunDir, run_id: str, config: ExperimentConfig, run
                 drift_l2=l2_norm(delta),
             )
             accepted.append(ClientUpdate(name, delta, int(metrics["num-examples"]), metrics))
+            pid = int(metrics.get("trainer-pid", -1))
+            if trainer_pids[name] and trainer_pids[name][-1] != pid:
+                runlog.log_event(run_id=run_id, kind="trainer-restarted", round=server_round, datacenter=name,
+                                 detail={"before": trainer_pids[name][-1], "now": pid})
+            trainer_pids[name].append(pid)
         if len(accepted) < needed:
             raise FederationError(f"round {server_round}: {len(accepted)} usable updates, {needed} needed (run.min_replies)")
         mean_update = strategy.mean_update(accepted)
@@ -242,5 +248,6 @@ def _run(grid: Grid, run_dir: RunDir, run_id: str, config: ExperimentConfig, run
         "bytes_up_total": totals["bytes_up"],
         "bytes_down_total": totals["bytes_down"],
         "wall_s": time.perf_counter() - run_started,
+        "trainer_pids": trainer_pids,
     }
 

@@ -212,6 +212,7 @@ class LocalRun:
             raise
         finally:
             self.processes.stop_all()
+            self.run_dir.remove_sockets()
             if outcome_status != "finished":
                 self._mark_ended(outcome_status, error)
 

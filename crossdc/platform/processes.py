@@ -23,8 +23,9 @@ class PortInUse(RuntimeError):
 
 
 def ensure_port_free(host: str, port: int) -> None:
-    """Raise PortInUse if (host, port) cannot be bound now."""
+    """Raise PortInUse if a server could not listen on (host, port) now (connections in TIME_WAIT do not count)."""
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as probe:
+        probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
         try:
             probe.bind((host, port))
         except OSError:

@@ -6,12 +6,17 @@ ClientApp and the trainers so they agree on one layout.
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 import secrets
+import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
+
+# sun_path holds 108 bytes including the terminating NUL
+_MAX_UNIX_PATH = 100
 
 
 @dataclass(frozen=True)
@@ -44,7 +49,16 @@ class RunDir:
         return self.path / "trainers" / "authkey"
 
     def trainer_socket(self, datacenter: str) -> Path:
-        return self.path / "trainers" / f"{datacenter}.sock"
+        """The trainer's Unix socket; under a short folder in /tmp when the run folder's path is too long for one."""
+        path = self.path / "trainers" / f"{datacenter}.sock"
+        if len(str(path)) < _MAX_UNIX_PATH:
+            return path
+        return self.short_socket_dir / f"{datacenter}.sock"
+
+    @property
+    def short_socket_dir(self) -> Path:
+        digest = hashlib.sha256(str(self.path.resolve()).encode()).hexdigest()[:16]
+        return Path(tempfile.gettempdir()) / f"crossdc-{digest}"
 
     @property
     def final_weights(self) -> Path:
@@ -54,10 +68,21 @@ class RunDir:
         """Make the folders, write the settings and a fresh trainer auth key (mode 0600)."""
         for folder in (self.path, self.state_root, self.logs, self.path / "trainers"):
             folder.mkdir(parents=True, exist_ok=True)
+        self.short_socket_dir.mkdir(mode=0o700, exist_ok=True)
         self.settings_file.write_text(json.dumps(settings, indent=1, sort_keys=True))
         fd = os.open(self.authkey_file, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
         with os.fdopen(fd, "wb") as handle:
             handle.write(secrets.token_bytes(32))
+
+    def remove_sockets(self) -> None:
+        """Remove the trainers' socket files (and the short socket folder) once nothing listens on them."""
+        for folder in (self.path / "trainers", self.short_socket_dir):
+            for sock in folder.glob("*.sock"):
+                sock.unlink(missing_ok=True)
+        try:
+            self.short_socket_dir.rmdir()
+        except OSError:
+            pass
 
     def settings(self) -> dict[str, Any]:
         return json.loads(self.settings_file.read_text())

