@@ -7,19 +7,16 @@ it afterwards. Override the admin URL with ``CROSSDC_TEST_PG_ADMIN_URL``.
 
 from __future__ import annotations
 
-import os
 import socket
 import subprocess
 import sys
 import threading
 import time
 import uuid
-from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 from sqlalchemy import inspect, text
-from sqlalchemy.engine import make_url
 
 from crossdc.db import engine as dbengine
 from crossdc.db import queries
@@ -37,17 +34,10 @@ from crossdc.db.models import metadata
 from crossdc.db.runlog import RunLog
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
+from conftest import via_relay as _via  # noqa: E402
 from tcp_relay import TcpRelay  # noqa: E402
 
 REPO = Path(__file__).resolve().parents[1]
-PG_ADMIN_URL = os.environ.get(
-    "CROSSDC_TEST_PG_ADMIN_URL", "postgresql+psycopg://postgres@127.0.0.1:5432/test"
-)
-PG_START_HINT = (
-    "start it with: pg_ctlcluster --skip-systemctl-redirect $(ls /etc/postgresql) main start "
-    "(or point CROSSDC_TEST_PG_ADMIN_URL at a server where this user may CREATE DATABASE)"
-)
-
 # The schema of DESIGN.md "SQL schema" plus the agreed extra columns.
 EXPECTED_COLUMNS: dict[str, set[str]] = {
     "runs": {
@@ -84,93 +74,6 @@ def _free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
-
-
-@pytest.fixture
-def sqlite_url(tmp_path: Path) -> str:
-    return f"sqlite:///{tmp_path / 'crossdc.db'}"
-
-
-@pytest.fixture
-def migrated_sqlite_url(sqlite_url: str) -> str:
-    upgrade(sqlite_url)
-    return sqlite_url
-
-
-def _pg_admin():  # type: ignore[no-untyped-def]
-    import psycopg
-
-    url = make_url(PG_ADMIN_URL)
-    kwargs = {
-        "host": url.host or "127.0.0.1",
-        "port": url.port or 5432,
-        "user": url.username or "postgres",
-        "dbname": url.database or "test",
-        "autocommit": True,
-        "connect_timeout": 5,
-    }
-    if url.password:
-        kwargs["password"] = url.password
-    try:
-        return psycopg.connect(**kwargs), url
-    except psycopg.OperationalError as e:
-        problem = " ".join(str(e).split())
-    pytest.fail(
-        f"PostgreSQL is not reachable at {url.render_as_string(hide_password=True)}: {problem}; "
-        f"{PG_START_HINT}",
-        pytrace=False,
-    )
-
-
-@pytest.fixture
-def pg_url() -> Iterator[str]:
-    """A fresh, empty PostgreSQL database (dropped afterwards); a fresh schema if CREATE DATABASE is denied."""
-    import psycopg
-
-    conn, admin = _pg_admin()
-    name = f"crossdc_test_{uuid.uuid4().hex[:12]}"
-    mode = "database"
-    try:
-        conn.execute(f'CREATE DATABASE "{name}"')
-        url = admin.set(drivername="postgresql+psycopg", database=name)
-    except psycopg.errors.InsufficientPrivilege:
-        mode = "schema"
-        conn.execute(f'CREATE SCHEMA "{name}"')
-        url = admin.set(drivername="postgresql+psycopg", query={"options": f"-csearch_path={name}"})
-    try:
-        yield url.render_as_string(hide_password=False)
-    finally:
-        if mode == "database":
-            conn.execute(f'DROP DATABASE IF EXISTS "{name}" WITH (FORCE)')
-        else:
-            conn.execute(f'DROP SCHEMA IF EXISTS "{name}" CASCADE')
-        conn.close()
-
-
-@pytest.fixture
-def migrated_pg_url(pg_url: str) -> str:
-    upgrade(pg_url)
-    return pg_url
-
-
-@pytest.fixture(params=["sqlite", pytest.param("postgres", marks=pytest.mark.postgres)])
-def migrated_url(request: pytest.FixtureRequest) -> str:
-    name = "migrated_sqlite_url" if request.param == "sqlite" else "migrated_pg_url"
-    return request.getfixturevalue(name)
-
-
-@pytest.fixture
-def relay() -> Iterator[TcpRelay]:
-    admin = make_url(PG_ADMIN_URL)
-    r = TcpRelay(admin.host or "127.0.0.1", admin.port or 5432).start()
-    try:
-        yield r
-    finally:
-        r.close()
-
-
-def _via(url: str, relay: TcpRelay) -> str:
-    return make_url(url).set(host="127.0.0.1", port=relay.port).render_as_string(hide_password=False)
 
 
 # ------------------------------------------------------------ URL / engine

@@ -25,6 +25,7 @@ from flwr.serverapp import Grid
 from crossdc.clients import client_app as wire
 from crossdc.clients.local_training import load_model_weights, model_weights
 from crossdc.compression.payload import ARRAYS_KEY, CONFIG_KEY, METRICS_KEY, from_array_record, payload_bytes, raw_fp32_bytes, to_array_record
+from crossdc.db.errors import DatabaseUnavailable
 from crossdc.db.runlog import RunLog
 from crossdc.platform.config import ExperimentConfig, parse_config
 from crossdc.platform.experiment import build_strategy, build_workload, initial_model
@@ -238,7 +239,14 @@ def _run(grid: Grid, run_dir: RunDir, run_id: str, config: ExperimentConfig, run
             wall_s=time.perf_counter() - round_started, eval_s=eval_s,
         )
         runlog.heartbeat(run_id=run_id)
-        runlog.raise_if_failed()
+        try:
+            runlog.raise_if_failed()
+        except DatabaseUnavailable:
+            # the run stops, but its model does not get lost with it
+            path = run_dir.path / f"weights-round-{server_round}.npz"
+            np.savez(path, **weights)
+            log.error("database unavailable for too long: stopping after round %d; global weights saved to %s", server_round, path)
+            raise
     np.savez(run_dir.final_weights, **weights)
     return {
         "run_id": run_id,

@@ -11,6 +11,7 @@ Flower's Deployment Engine (``engine="deployment"``) and its simulation
 from __future__ import annotations
 
 import json
+import logging
 import os
 import shutil
 import subprocess
@@ -23,12 +24,17 @@ from pathlib import Path
 from typing import Any
 
 from crossdc.clients.channel import TrainerUnavailable, call_trainer
+from sqlalchemy.exc import OperationalError
+
 from crossdc.db.engine import make_engine, upgrade
+from crossdc.db.errors import DatabaseUnavailable
 from crossdc.db.queries import get_run, list_rounds
 from crossdc.db.runlog import RunLog
 from crossdc.platform.config import ExperimentConfig
 from crossdc.platform.processes import ProcessGroup, ensure_port_free, free_port, wait_for_port
 from crossdc.platform.rundir import RunDir
+
+log = logging.getLogger("crossdc.local_run")
 
 HOST = "127.0.0.1"
 TRAINER_START_TIMEOUT_S = 180.0
@@ -64,6 +70,8 @@ class LocalRunResult:
 def flower_env(run_dir: RunDir) -> dict[str, str]:
     """Environment for Flower's processes: private FLWR_HOME, no telemetry, one thread per process."""
     env = dict(os.environ)
+    # Flower's processes start each other by name (flower-superexec, flwr-serverapp, flwr-clientapp)
+    env["PATH"] = os.pathsep.join([str(Path(sys.executable).parent), env.get("PATH", "")])
     env.update(
         FLWR_HOME=str(run_dir.flwr_home),
         FLWR_TELEMETRY_ENABLED="0",
@@ -139,7 +147,10 @@ class LocalRun:
             [_bin("flower-superlink"), "--insecure", "--disable-runtime-dependency-installation", "--host", HOST, "--port", str(port)],
             self.run_dir.logs / "superlink.log", env=env,
         )
-        wait_for_port(HOST, port, 60, alive=superlink)
+        try:
+            wait_for_port(HOST, port, 60, alive=superlink)
+        except (RuntimeError, TimeoutError) as err:
+            raise RunFailed(f"the SuperLink did not start: {err}") from None
         for name in self.config.datacenter_names:
             node_config = f'datacenter="{name}" trainer="{self.run_dir.trainer_socket(name)}"'
             self.processes.start(
@@ -167,13 +178,24 @@ class LocalRun:
 
     # ------------------------------------------------------------ monitoring
     def wait(self) -> dict[str, Any]:
-        """Follow the run in SQL until it ends; report progress; fail fast if a process dies."""
+        """Follow the run in SQL until it ends; report progress; fail fast if a process dies.
+
+        A database that does not answer for a while is tolerated (the ServerApp buffers its
+        writes); only the processes' health can end the wait early.
+        """
         engine = make_engine(self.options.db_url)
         reported = 0
         try:
             while True:
-                run = get_run(engine, self.run_id)
-                rounds = list_rounds(engine, self.run_id)
+                for managed in self.processes.processes:
+                    if managed.process.poll() is not None:
+                        raise RunFailed(f"{managed.name} exited unexpectedly (code {managed.process.returncode}); see {managed.log_path}")
+                try:
+                    run = get_run(engine, self.run_id)
+                    rounds = list_rounds(engine, self.run_id)
+                except OperationalError:
+                    time.sleep(1.0)
+                    continue
                 if self.options.progress and len(rounds) != reported:
                     reported = len(rounds)
                     self.options.progress(rounds)
@@ -181,9 +203,6 @@ class LocalRun:
                     if run["status"] != "finished":
                         raise RunFailed(f"run {self.run_id} {run['status']}: {run.get('error') or 'see the run log'}")
                     return dict(run.get("result") or {})
-                for managed in self.processes.processes:
-                    if managed.process.poll() is not None:
-                        raise RunFailed(f"{managed.name} exited unexpectedly (code {managed.process.returncode}); see {managed.log_path}")
                 time.sleep(0.3)
         finally:
             engine.dispose()
@@ -242,13 +261,16 @@ class LocalRun:
         engine = make_engine(self.options.db_url)
         try:
             run = get_run(engine, self.run_id)
-        finally:
-            engine.dispose()
-        if run is None or run["status"] == "running":
-            with RunLog(self.options.db_url) as runlog:
+            if run is None or run["status"] == "running":
+                runlog = RunLog(self.options.db_url)
                 runlog.log_event(run_id=self.run_id, kind="run-" + status, detail=error)
                 runlog.finish_run(run_id=self.run_id, status=status, error=error)
                 runlog.flush(timeout=30)
+                runlog.close(timeout=1)
+        except (OperationalError, DatabaseUnavailable, TimeoutError) as err:
+            log.warning("could not record that run %s %s: %s", self.run_id, status, err)
+        finally:
+            engine.dispose()
 
 
 def run_local(config: ExperimentConfig, options: LocalRunOptions) -> LocalRunResult:

@@ -1,0 +1,119 @@
+"""Shared fixtures: SQLite and PostgreSQL databases, and a TCP relay to cut a connection."""
+
+from __future__ import annotations
+
+import os
+import sys
+import uuid
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+from sqlalchemy.engine import make_url
+
+from crossdc.db.engine import upgrade
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from tcp_relay import TcpRelay  # noqa: E402
+
+PG_ADMIN_URL = os.environ.get(
+    "CROSSDC_TEST_PG_ADMIN_URL", "postgresql+psycopg://postgres@127.0.0.1:5432/test"
+)
+PG_START_HINT = (
+    "start it with: pg_ctlcluster --skip-systemctl-redirect $(ls /etc/postgresql) main start "
+    "(or point CROSSDC_TEST_PG_ADMIN_URL at a server where this user may CREATE DATABASE)"
+)
+
+
+def via_relay(url: str, relay: TcpRelay) -> str:
+    """The same database URL, reaching the server through `relay`."""
+    return make_url(url).set(host="127.0.0.1", port=relay.port).render_as_string(hide_password=False)
+
+
+@pytest.fixture
+def sqlite_url(tmp_path: Path) -> str:
+    return f"sqlite:///{tmp_path / 'crossdc.db'}"
+
+
+@pytest.fixture
+def migrated_sqlite_url(sqlite_url: str) -> str:
+    upgrade(sqlite_url)
+    return sqlite_url
+
+
+def _pg_admin():  # type: ignore[no-untyped-def]
+    import psycopg
+
+    url = make_url(PG_ADMIN_URL)
+    kwargs = {
+        "host": url.host or "127.0.0.1",
+        "port": url.port or 5432,
+        "user": url.username or "postgres",
+        "dbname": url.database or "test",
+        "autocommit": True,
+        "connect_timeout": 5,
+    }
+    if url.password:
+        kwargs["password"] = url.password
+    try:
+        return psycopg.connect(**kwargs), url
+    except psycopg.OperationalError as e:
+        problem = " ".join(str(e).split())
+    pytest.fail(
+        f"PostgreSQL is not reachable at {url.render_as_string(hide_password=True)}: {problem}; "
+        f"{PG_START_HINT}",
+        pytrace=False,
+    )
+
+
+@pytest.fixture
+def pg_url() -> Iterator[str]:
+    """A fresh, empty PostgreSQL database (dropped afterwards); a fresh schema if CREATE DATABASE is denied."""
+    import psycopg
+
+    conn, admin = _pg_admin()
+    name = f"crossdc_test_{uuid.uuid4().hex[:12]}"
+    mode = "database"
+    try:
+        conn.execute(f'CREATE DATABASE "{name}"')
+        url = admin.set(drivername="postgresql+psycopg", database=name)
+    except psycopg.errors.InsufficientPrivilege:
+        mode = "schema"
+        conn.execute(f'CREATE SCHEMA "{name}"')
+        url = admin.set(drivername="postgresql+psycopg", query={"options": f"-csearch_path={name}"})
+    try:
+        yield url.render_as_string(hide_password=False)
+    finally:
+        if mode == "database":
+            conn.execute(f'DROP DATABASE IF EXISTS "{name}" WITH (FORCE)')
+        else:
+            conn.execute(f'DROP SCHEMA IF EXISTS "{name}" CASCADE')
+        conn.close()
+
+
+@pytest.fixture
+def migrated_pg_url(pg_url: str) -> str:
+    upgrade(pg_url)
+    return pg_url
+
+
+@pytest.fixture(params=["sqlite", pytest.param("postgres", marks=pytest.mark.postgres)])
+def migrated_url(request: pytest.FixtureRequest) -> str:
+    name = "migrated_sqlite_url" if request.param == "sqlite" else "migrated_pg_url"
+    return request.getfixturevalue(name)
+
+
+@pytest.fixture
+def relay() -> Iterator[TcpRelay]:
+    admin = make_url(PG_ADMIN_URL)
+    r = TcpRelay(admin.host or "127.0.0.1", admin.port or 5432).start()
+    try:
+        yield r
+    finally:
+        r.close()
+
+
+def _via(url: str, relay: TcpRelay) -> str:
+    return make_url(url).set(host="127.0.0.1", port=relay.port).render_as_string(hide_password=False)
+
+

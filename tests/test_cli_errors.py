@@ -1,0 +1,277 @@
+"""The real `crossdc` console script on bad inputs: one line on stderr, non-zero exit, no traceback, nothing left running.
+
+The bad `crossdc run` invocations each import torch (~3 s of CPU), so they are
+started together once per module and the tests check their results.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import socket
+import subprocess
+import sys
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+from pathlib import Path
+
+import pytest
+import sqlalchemy as sa
+
+REPO = Path(__file__).resolve().parents[1]
+SYNTHETIC_EXAMPLE = REPO / "examples" / "synthetic-2dc.toml"
+CLI_TIMEOUT_S = 120
+FLOWER_PROCESS_MARKERS = ("flower-superlink", "flower-supernode", "flower-superexec", "flwr-serverapp",
+                          "flwr-clientapp", "crossdc.clients.trainer")
+
+
+def crossdc_executable() -> str:
+    candidate = Path(sys.executable).with_name("crossdc")
+    if candidate.exists():
+        return str(candidate)
+    found = shutil.which("crossdc")
+    assert found, "the crossdc console script is not installed"
+    return found
+
+
+CROSSDC = crossdc_executable()
+
+
+@dataclass
+class Result:
+    args: list[str]
+    returncode: int
+    stdout: str
+    stderr: str
+    folder: Path
+
+
+def cli(args: list[str], folder: Path) -> Result:
+    """Run `crossdc ARGS` in `folder` (so nothing lands in the checkout), with a private default database."""
+    folder.mkdir(parents=True, exist_ok=True)
+    env = dict(os.environ)
+    env.update(CROSSDC_DATABASE_URL=f"sqlite:///{folder / 'env-default.db'}", FLWR_TELEMETRY_ENABLED="0",
+               FLWR_DISABLE_UPDATE_CHECK="1", PYTHONUNBUFFERED="1")
+    completed = subprocess.run([CROSSDC, *args], cwd=folder, env=env, capture_output=True, text=True,
+                               timeout=CLI_TIMEOUT_S, stdin=subprocess.DEVNULL)
+    return Result(args, completed.returncode, completed.stdout, completed.stderr, folder)
+
+
+def processes_mentioning(text: str) -> list[tuple[int, str]]:
+    """Live processes (not this one) whose command line or environment contains `text`."""
+    needle = text.encode()
+    found = []
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit() or int(entry.name) == os.getpid():
+            continue
+        try:
+            cmdline = (entry / "cmdline").read_bytes()
+            try:
+                environ = (entry / "environ").read_bytes()
+            except OSError:
+                environ = b""
+            status = (entry / "status").read_text()
+        except OSError:
+            continue
+        if "State:\tZ" in status:
+            continue
+        if needle in cmdline or needle in environ:
+            found.append((int(entry.name), cmdline.replace(b"\0", b" ").decode(errors="replace")))
+    return found
+
+
+def flower_like_pids() -> set[int]:
+    pids = set()
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit():
+            continue
+        try:
+            cmdline = (entry / "cmdline").read_bytes().decode(errors="replace")
+        except OSError:
+            continue
+        if any(marker in cmdline for marker in FLOWER_PROCESS_MARKERS):
+            pids.add(int(entry.name))
+    return pids
+
+
+def assert_one_error_line(result: Result, *fragments: str) -> str:
+    everything = result.stdout + result.stderr
+    assert "Traceback" not in everything, everything
+    assert result.returncode != 0, everything
+    lines = result.stderr.splitlines()
+    assert len(lines) == 1, f"stderr is not one line: {result.stderr!r}"
+    line = lines[0]
+    assert line.startswith("crossdc: error:") and line[len("crossdc: error:"):].strip(), line
+    for fragment in fragments:
+        assert fragment in line, f"{fragment!r} not in {line!r}"
+    assert result.stdout.strip() == "", result.stdout
+    return line
+
+
+def assert_nothing_left_running(folder: Path) -> None:
+    left = processes_mentioning(str(folder))
+    assert not left, f"processes left running: {left}"
+
+
+# -- bad configs and options for `crossdc run`, run together ---------------------------------
+
+BASE = """\
+[run]
+name = "cli-test"
+rounds = 2
+seed = 0
+
+[workload]
+dataset = "synthetic"
+model = "linear"
+partition = { kind = "iid" }
+batch_size = 16
+optimizer = "sgd"
+lr = 0.1
+
+[strategy]
+name = "fedavg"
+tau = 1
+
+[[datacenters]]
+name = "us-east"
+
+[[datacenters]]
+name = "eu-west"
+"""
+
+# case → (config text, or None for examples/synthetic-2dc.toml; extra args; fragments the error line must contain)
+CASES: dict[str, tuple[str | None, list[str], tuple[str, ...]]] = {
+    "missing-key": (BASE.replace("rounds = 2\n", ""), [], ("missing key 'run.rounds'",)),
+    "unknown-key": (BASE + "\n[experiment]\nx = 1\n", [], ("unknown key 'experiment'",)),
+    "misspelt-key": (BASE.replace("batch_size = 16", "batchsize = 16"), [], ("'workload.batchsize'", "did you mean 'batch_size'")),
+    "unknown-dataset": (BASE.replace('dataset = "synthetic"', 'dataset = "cifar"'), [],
+                        ("unknown dataset 'cifar'", "digits", "mnist1d", "shakespeare", "synthetic")),
+    "unknown-strategy": (BASE.replace('name = "fedavg"', 'name = "fedprocs"'), [], ("unknown strategy 'fedprocs'", "fedavg")),
+    "tau-zero": (BASE.replace("tau = 1", "tau = 0"), [], ("'strategy.tau'", "> 0")),
+    "zero-datacenters": (BASE.split("[[datacenters]]")[0], [], ("no datacenters",)),
+    "invalid-toml": (BASE.replace("[run]", "[run"), [], ("not valid TOML",)),
+    "not-implemented": (BASE + '\n[compression]\ncodecs = ["int8"]\n', [], ("'compression.codecs'", "not implemented yet")),
+    "file-not-found": (None, ["@missing"], ("config file not found",)),
+    "unknown-baseline": (None, ["--baseline", "fastest"], ("unknown baseline 'fastest'", "all-workers", "sequential")),
+    "superlink": (None, ["--superlink", "10.0.0.1:9092"], ("--superlink", "not implemented yet")),
+}
+
+
+@pytest.fixture(scope="module")
+def bad_runs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Result]:
+    root = tmp_path_factory.mktemp("cli-bad-runs")
+
+    def one(case: str) -> Result:
+        text, extra, _ = CASES[case]
+        folder = root / case
+        folder.mkdir()
+        if text is None:
+            config = SYNTHETIC_EXAMPLE
+        else:
+            config = folder / "config.toml"
+            config.write_text(text)
+        if extra[:1] == ["@missing"]:
+            config, extra = folder / "does-not-exist.toml", extra[1:]
+        args = ["run", str(config), "--db", f"sqlite:///{folder / 'x.db'}", "--runs-dir", str(folder / "runs"), *extra]
+        return cli(args, folder)
+
+    with ThreadPoolExecutor(max_workers=4) as pool:
+        return dict(zip(CASES, pool.map(one, CASES)))
+
+
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("case", list(CASES))
+def test_bad_run_is_one_line_and_starts_nothing(bad_runs: dict[str, Result], case: str) -> None:
+    result = bad_runs[case]
+    assert_one_error_line(result, *CASES[case][2])
+    assert_nothing_left_running(result.folder)
+    # it failed before anything started: no run folder, no database
+    assert not (result.folder / "runs").exists()
+    assert not (result.folder / "x.db").exists()
+
+
+def test_config_path_in_the_not_found_message(bad_runs: dict[str, Result]) -> None:
+    line = bad_runs["file-not-found"].stderr.strip()
+    assert "does-not-exist.toml" in line
+
+
+# -- a busy port ------------------------------------------------------------------------------
+
+
+@pytest.mark.timeout(120)
+def test_port_in_use_is_one_line_and_leaves_nothing(tmp_path: Path) -> None:
+    before = flower_like_pids()
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as holder:
+        holder.bind(("127.0.0.1", 0))
+        holder.listen()
+        port = holder.getsockname()[1]
+        result = cli(["run", str(SYNTHETIC_EXAMPLE), "--port", str(port), "--db", f"sqlite:///{tmp_path / 'x.db'}",
+                      "--runs-dir", str(tmp_path / "runs")], tmp_path)
+        line = assert_one_error_line(result, str(port), "in use")
+        assert "127.0.0.1" in line
+    assert_nothing_left_running(tmp_path)
+    started = flower_like_pids() - before
+    mine = [pid for pid, _ in processes_mentioning(str(tmp_path)) if pid in started]
+    assert not mine, f"Flower/trainer processes left by the run: {mine}"
+    # no trainer, SuperLink or SuperNode got as far as writing a run folder
+    assert not any((tmp_path / "runs").glob("*/logs/*.log"))
+
+
+# -- other commands ------------------------------------------------------------------------------
+
+
+@pytest.mark.timeout(60)
+def test_strategies_list_json(tmp_path: Path) -> None:
+    result = cli(["strategies", "list", "--json"], tmp_path)
+    assert result.returncode == 0, result.stderr
+    rows = json.loads(result.stdout)
+    assert isinstance(rows, list)
+    fedavg = next(row for row in rows if row["name"] == "fedavg")
+    assert fedavg["source"] == "built-in"
+    assert fedavg["parameters"] == {}
+    assert "Traceback" not in result.stderr
+
+
+@pytest.mark.timeout(60)
+def test_codecs_list_json(tmp_path: Path) -> None:
+    result = cli(["codecs", "list", "--json"], tmp_path)
+    assert result.returncode == 0, result.stderr
+    rows = json.loads(result.stdout)
+    assert isinstance(rows, list)
+    assert all({"name", "class"} <= set(row) for row in rows)
+
+
+@pytest.mark.timeout(60)
+def test_db_upgrade_sqlite_creates_the_tables(tmp_path: Path) -> None:
+    db = tmp_path / "a.db"
+    result = cli(["db", "upgrade", "--db", f"sqlite:///{db}"], tmp_path)
+    assert result.returncode == 0, result.stderr
+    assert "Traceback" not in result.stdout + result.stderr
+    assert "revision" in result.stdout
+    engine = sa.create_engine(f"sqlite:///{db}")
+    try:
+        tables = set(sa.inspect(engine).get_table_names())
+        with engine.connect() as conn:
+            revision = conn.execute(sa.text("SELECT version_num FROM alembic_version")).scalar_one()
+    finally:
+        engine.dispose()
+    assert {"runs", "rounds", "datacenter_rounds", "async_updates", "events", "datacenters", "checkpoints",
+            "alembic_version"} <= tables
+    assert revision in result.stdout
+    # idempotent
+    again = cli(["db", "upgrade", "--db", f"sqlite:///{db}"], tmp_path)
+    assert again.returncode == 0, again.stderr
+
+
+@pytest.mark.timeout(60)
+def test_db_upgrade_unreachable_postgres_is_one_line(tmp_path: Path) -> None:
+    result = cli(["db", "upgrade", "--db", "postgresql://nobody@127.0.0.1:1/x"], tmp_path)
+    assert_one_error_line(result, "127.0.0.1", "unavailable")
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("args", [["resume", "abc"], ["serve"]], ids=["resume", "serve"])
+def test_unbuilt_commands_say_not_implemented(tmp_path: Path, args: list[str]) -> None:
+    assert_one_error_line(cli(args, tmp_path), "not implemented yet")
