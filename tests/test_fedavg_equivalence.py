@@ -277,9 +277,6 @@ def test_state_store_rejects_bad_names_and_corrupt_files(tmp_path: Path) -> None
         store.load("broken")
 
 
-@pytest.mark.xfail(strict=True, reason="bug: DatacenterStateStore.save builds the temp file name from the key "
-                   "(tempfile.mkstemp prefix) before validating the key, so '../evil' raises FileNotFoundError, "
-                   "not StateStoreError (crossdc/clients/state_store.py:46)")
 def test_state_store_save_rejects_a_traversing_key_with_state_store_error(tmp_path: Path) -> None:
     store = DatacenterStateStore(tmp_path, "r", "a")
     with pytest.raises(StateStoreError, match="invalid state key"):

@@ -86,7 +86,8 @@ def test_deployment_run_logs_every_round_to_sql(deployment_run: dict) -> None:
         assert row["bytes_up"] > row["bytes_up_raw"] > 0  # framing on top of the fp32 payload
         assert row["bytes_down"] > 0
         assert row["compute_s"] > 0 and row["overhead_s"] >= 0
-        assert row["round_s"] == pytest.approx(row["compute_s"] + (row["comm_s"] or 0) + row["overhead_s"], rel=1e-6)
+        assert row["comm_source"] == "relay" and 0 < row["comm_s"] < row["round_s"]
+        assert row["round_s"] == pytest.approx(row["compute_s"] + row["comm_s"] + row["overhead_s"], rel=1e-6)
         assert row["drift_l2"] > 0 and -1 <= row["update_cosine"] <= 1
         assert row["num_examples"] == row_tau(rounds, row["round"]) * 32
     for r in rounds:
@@ -168,5 +169,6 @@ def test_simulation_engine_runs_the_same_apps(tmp_path: Path) -> None:
     assert run["status"] == "finished"
     assert [r["tau"] for r in rounds] == [2, 5, 8]
     assert len(dc_rounds) == 6 and all(r["status"] == "ok" for r in dc_rounds)
+    assert all(r["comm_s"] is None for r in dc_rounds)  # no link under simulation: not measured, not invented
     assert rounds[-1]["val_loss"] < rounds[0]["val_loss"]
     assert [pid for pid in result.child_pids if _alive(pid)] == []

@@ -41,6 +41,7 @@ class DatacenterStateStore:
 
     def save(self, key: str, value: Any, round: int) -> None:
         """Store `value` as the state `key` after round `round`, atomically."""
+        target = self._path(key)
         buffer = io.BytesIO()
         torch.save({"round": round, "value": value}, buffer)
         fd, tmp = tempfile.mkstemp(dir=self.directory, prefix=f".{key}.", suffix=".tmp")
@@ -49,7 +50,7 @@ class DatacenterStateStore:
                 handle.write(buffer.getvalue())
                 handle.flush()
                 os.fsync(handle.fileno())
-            os.replace(tmp, self._path(key))
+            os.replace(tmp, target)
         except BaseException:
             Path(tmp).unlink(missing_ok=True)
             raise

@@ -13,6 +13,7 @@ from __future__ import annotations
 import dataclasses
 import difflib
 import json
+import math
 import re
 import tomllib
 from dataclasses import dataclass, field
@@ -146,6 +147,8 @@ def _kind_name(kinds: tuple[type, ...]) -> str:
 
 
 def _positive(value: float, key: str, allow_zero: bool = False) -> None:
+    if not math.isfinite(value):
+        raise ConfigError(f"'{key}' must be a finite number, got {value!r}")
     if value < 0 or (value == 0 and not allow_zero):
         raise ConfigError(f"'{key}' must be {'≥ 0' if allow_zero else '> 0'}, got {value!r}")
 
@@ -284,11 +287,15 @@ def parse_config(doc: dict[str, Any]) -> ExperimentConfig:
         raise ConfigError("a config must be a TOML document of tables")
     _check_keys(doc, {"run", "workload", "strategy", "datacenters", *_NOT_YET}, "")
     _parse_not_yet(doc)
+    run = _parse_run(doc)
+    datacenters = _parse_datacenters(doc)
+    if run.min_replies > len(datacenters):
+        raise ConfigError(f"'run.min_replies' = {run.min_replies} but there are only {len(datacenters)} datacenters")
     config = ExperimentConfig(
-        run=_parse_run(doc),
+        run=run,
         workload=_parse_workload(doc),
         strategy=_parse_strategy(doc),
-        datacenters=_parse_datacenters(doc),
+        datacenters=datacenters,
         raw=doc,
     )
     return config

@@ -28,6 +28,7 @@ from crossdc.compression.payload import ARRAYS_KEY, CONFIG_KEY, METRICS_KEY, fro
 from crossdc.db.errors import DatabaseUnavailable
 from crossdc.db.runlog import RunLog
 from crossdc.platform.config import ExperimentConfig, parse_config
+from crossdc.platform.link_relay import LedgerReader, time_in_flight
 from crossdc.platform.experiment import build_strategy, build_workload, initial_model
 from crossdc.platform.rundir import RunDir
 from crossdc.platform.update_gate import rejection_reason
@@ -100,6 +101,13 @@ def discover_datacenters(grid: Grid, config: ExperimentConfig, runlog: RunLog, r
     return mapping
 
 
+def _time_on_link(link: LedgerReader, start: float, end: float) -> tuple[float | None, str]:
+    """Seconds the datacenter's payloads spent on its link during [start, end], and how that was obtained."""
+    if not link.path.exists():
+        return None, "not measured (no link relay: simulation or external SuperNode)"
+    return time_in_flight(link.window(start, end)), "relay"
+
+
 def _evaluate(model: torch.nn.Module, workload: Any, weights: dict[str, np.ndarray]) -> tuple[float, float, float]:
     started = time.perf_counter()
     load_model_weights(model, weights)
@@ -146,6 +154,7 @@ def _run(grid: Grid, run_dir: RunDir, run_id: str, config: ExperimentConfig, run
     run_started = time.perf_counter()
     totals = {"bytes_up": 0, "bytes_down": 0}
     trainer_pids: dict[str, list[int]] = {name: [] for name in nodes}
+    links = {name: LedgerReader(run_dir.link_ledger(name)) for name in nodes}
     val_loss = val_accuracy = float("nan")
     needed = config.run.min_replies or len(nodes)
     for server_round in range(1, config.run.rounds + 1):
@@ -196,13 +205,14 @@ def _run(grid: Grid, run_dir: RunDir, run_id: str, config: ExperimentConfig, run
                 runlog.log_event(run_id=run_id, kind="rejected", round=server_round, datacenter=name, detail=reason)
                 continue
             compute_s = float(metrics.get("compute-s", 0.0))
+            comm_s, comm_source = _time_on_link(links[name], pushed_at, reply.received_at)
             row.update(
                 status="ok",
                 bytes_up_raw=raw_fp32_bytes(delta),
                 compute_s=compute_s,
-                comm_s=None,
-                comm_source="not measured (no link emulator)",
-                overhead_s=max(0.0, round_s - compute_s),
+                comm_s=comm_s,
+                comm_source=comm_source,
+                overhead_s=max(0.0, round_s - compute_s - (comm_s or 0.0)),
                 train_loss=float(metrics.get("train-loss", float("nan"))),
                 num_examples=int(metrics["num-examples"]),
                 drift_l2=l2_norm(delta),

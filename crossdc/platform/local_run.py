@@ -31,6 +31,7 @@ from crossdc.db.errors import DatabaseUnavailable
 from crossdc.db.queries import get_run, list_rounds
 from crossdc.db.runlog import RunLog
 from crossdc.platform.config import ExperimentConfig
+from crossdc.platform.link_relay import LinkRelay
 from crossdc.platform.processes import ProcessGroup, ensure_port_free, free_port, wait_for_port
 from crossdc.platform.rundir import RunDir
 
@@ -99,6 +100,7 @@ class LocalRun:
         self.run_dir = RunDir(Path(options.runs_root).resolve() / self.run_id)
         self.processes = ProcessGroup()
         self.trainer_pids: dict[str, int] = {}
+        self.relays: list[LinkRelay] = []
 
     # --------------------------------------------------------------- set-up
     def prepare(self) -> None:
@@ -152,10 +154,13 @@ class LocalRun:
         except (RuntimeError, TimeoutError) as err:
             raise RunFailed(f"the SuperLink did not start: {err}") from None
         for name in self.config.datacenter_names:
+            # each datacenter reaches the SuperLink through its own link, which measures what crosses it
+            relay = LinkRelay(HOST, port, self.run_dir.link_ledger(name)).start()
+            self.relays.append(relay)
             node_config = f'datacenter="{name}" trainer="{self.run_dir.trainer_socket(name)}"'
             self.processes.start(
                 f"supernode-{name}",
-                [_bin("flower-supernode"), "--insecure", "--superlink", f"{HOST}:{port}", "--port", str(free_port()), "--node-config", node_config],
+                [_bin("flower-supernode"), "--insecure", "--superlink", f"{HOST}:{relay.port}", "--port", str(free_port()), "--node-config", node_config],
                 self.run_dir.logs / f"supernode-{name}.log", env=env,
             )
 
@@ -231,6 +236,8 @@ class LocalRun:
             raise
         finally:
             self.processes.stop_all()
+            for relay in self.relays:
+                relay.close()
             self.run_dir.remove_sockets()
             if outcome_status != "finished":
                 self._mark_ended(outcome_status, error)

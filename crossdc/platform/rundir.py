@@ -60,6 +60,10 @@ class RunDir:
         digest = hashlib.sha256(str(self.path.resolve()).encode()).hexdigest()[:16]
         return Path(tempfile.gettempdir()) / f"crossdc-{digest}"
 
+    def link_ledger(self, datacenter: str) -> Path:
+        """The ledger of the link between this datacenter's SuperNode and the SuperLink (see link_relay)."""
+        return self.logs / "links" / f"{datacenter}.ledger"
+
     @property
     def final_weights(self) -> Path:
         return self.path / "final-weights.npz"
