@@ -132,7 +132,7 @@ def run(
 ) -> None:
     """Run one experiment locally; prints the run id."""
     from crossdc.db.engine import resolve_database_url, upgrade
-    from crossdc.platform.baselines import BASELINE_KINDS, run_baseline
+    from crossdc.platform.baselines import BASELINE_KINDS, gap_to, matching_baselines, run_baseline
 
     if superlink is not None:
         fail("--superlink (running on a standing federation) is not implemented yet")
@@ -149,6 +149,11 @@ def run(
         summary = run_baseline(config, baseline, db_url, run_id, progress=None if as_json else (lambda rows: _print_round(rows, config.run.rounds)))
     else:
         summary = _run_experiment(config, db_url, engine, port, runs_dir, quiet=as_json)
+        # the gap to training in one place, for every baseline of this exact experiment already run
+        summary["gaps"] = {kind: gap_to(base, summary) for kind, base in matching_baselines(db_url, config).items()}
+        for kind, gap in summary["gaps"].items():
+            typer.echo(f"gap to the {kind} baseline: validation loss {100 * gap['val_loss_gap_rel']:+.2f}%, "
+                       f"accuracy {gap['val_accuracy_gap_points']:+.1f} points", err=True)
     if as_json:
         typer.echo(json.dumps(_jsonable(summary)))
     else:

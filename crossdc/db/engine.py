@@ -167,8 +167,8 @@ def alembic_config(url: str | URL | None = None) -> Any:
     return cfg
 
 
-def upgrade(url: str | URL, revision: str = "head") -> None:
-    """Run ``alembic upgrade head`` (or to ``revision``) on ``url``."""
+def _alembic(url: str | URL, action: str, revision: str) -> None:
+    """Run the Alembic command `action` ("upgrade" or "downgrade") to `revision` on `url`."""
     from alembic import command
 
     cfg = alembic_config(url)
@@ -176,27 +176,21 @@ def upgrade(url: str | URL, revision: str = "head") -> None:
     try:
         with engine.begin() as conn:
             cfg.attributes["connection"] = conn
-            command.upgrade(cfg, revision)
+            getattr(command, action)(cfg, revision)
     except (exc.OperationalError, exc.InterfaceError) as e:
         raise unavailable(url, e) from e
     finally:
         engine.dispose()
+
+
+def upgrade(url: str | URL, revision: str = "head") -> None:
+    """Run ``alembic upgrade head`` (or to ``revision``) on ``url``."""
+    _alembic(url, "upgrade", revision)
 
 
 def downgrade(url: str | URL, revision: str) -> None:
     """Run ``alembic downgrade REVISION`` on ``url`` (tests, manual repair)."""
-    from alembic import command
-
-    cfg = alembic_config(url)
-    engine = make_engine(url)
-    try:
-        with engine.begin() as conn:
-            cfg.attributes["connection"] = conn
-            command.downgrade(cfg, revision)
-    except (exc.OperationalError, exc.InterfaceError) as e:
-        raise unavailable(url, e) from e
-    finally:
-        engine.dispose()
+    _alembic(url, "downgrade", revision)
 
 
 def current_revision(url: str | URL) -> str | None:

@@ -23,6 +23,7 @@ from datetime import datetime
 from typing import Any
 
 from sqlalchemy import (
+    Table,
     JSON,
     BigInteger,
     CheckConstraint,
@@ -221,3 +222,13 @@ __all__ = [
     "Run",
     "metadata",
 ]
+
+
+# The tables as SQLAlchemy Core objects, for the run log's writes and the read helpers.
+RUNS: Table = Run.__table__  # type: ignore[assignment]
+ROUNDS: Table = Round.__table__  # type: ignore[assignment]
+DATACENTER_ROUNDS: Table = DatacenterRound.__table__  # type: ignore[assignment]
+EVENTS: Table = Event.__table__  # type: ignore[assignment]
+DATACENTERS: Table = Datacenter.__table__  # type: ignore[assignment]
+CHECKPOINTS: Table = Checkpoint.__table__  # type: ignore[assignment]
+ASYNC_UPDATES: Table = AsyncUpdate.__table__  # type: ignore[assignment]

@@ -15,17 +15,16 @@ from typing import Any
 from sqlalchemy import Connection, Engine, Executable, Table, select
 from sqlalchemy.orm import Session
 
-from crossdc.db.models import AsyncUpdate, Checkpoint, Datacenter, DatacenterRound, Event, Round, Run
+from crossdc.db.models import ASYNC_UPDATES as _ASYNC
+from crossdc.db.models import CHECKPOINTS as _CHECKPOINTS
+from crossdc.db.models import DATACENTER_ROUNDS as _DC_ROUNDS
+from crossdc.db.models import DATACENTERS as _DATACENTERS
+from crossdc.db.models import EVENTS as _EVENTS
+from crossdc.db.models import ROUNDS as _ROUNDS
+from crossdc.db.models import RUNS as _RUNS
 
 Bind = Engine | Connection | Session
 
-_RUNS: Table = Run.__table__  # type: ignore[assignment]
-_ROUNDS: Table = Round.__table__  # type: ignore[assignment]
-_DC_ROUNDS: Table = DatacenterRound.__table__  # type: ignore[assignment]
-_EVENTS: Table = Event.__table__  # type: ignore[assignment]
-_DATACENTERS: Table = Datacenter.__table__  # type: ignore[assignment]
-_CHECKPOINTS: Table = Checkpoint.__table__  # type: ignore[assignment]
-_ASYNC: Table = AsyncUpdate.__table__  # type: ignore[assignment]
 
 
 def _utc(value: Any) -> Any:

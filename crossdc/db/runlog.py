@@ -54,24 +54,18 @@ from crossdc.db.models import (
     BASELINES,
     DATACENTER_ROUND_STATUSES,
     RUN_STATUSES,
-    AsyncUpdate,
-    Checkpoint,
-    Datacenter,
-    DatacenterRound,
-    Event,
-    Round,
-    Run,
 )
+
+from crossdc.db.models import ASYNC_UPDATES as _ASYNC
+from crossdc.db.models import CHECKPOINTS as _CHECKPOINTS
+from crossdc.db.models import DATACENTER_ROUNDS as _DC_ROUNDS
+from crossdc.db.models import DATACENTERS as _DATACENTERS
+from crossdc.db.models import EVENTS as _EVENTS
+from crossdc.db.models import ROUNDS as _ROUNDS
+from crossdc.db.models import RUNS as _RUNS
 
 log = logging.getLogger(__name__)
 
-_RUNS: Table = Run.__table__  # type: ignore[assignment]
-_ROUNDS: Table = Round.__table__  # type: ignore[assignment]
-_DC_ROUNDS: Table = DatacenterRound.__table__  # type: ignore[assignment]
-_EVENTS: Table = Event.__table__  # type: ignore[assignment]
-_DATACENTERS: Table = Datacenter.__table__  # type: ignore[assignment]
-_CHECKPOINTS: Table = Checkpoint.__table__  # type: ignore[assignment]
-_ASYNC: Table = AsyncUpdate.__table__  # type: ignore[assignment]
 
 _UINT64_MAX = 2**64 - 1
 

@@ -91,3 +91,20 @@ def gap_to(baseline: dict[str, Any], run: dict[str, Any]) -> dict[str, float]:
         "val_loss_gap_rel": (float(run["val_loss"]) - reference) / reference,
         "val_accuracy_gap_points": 100.0 * (float(run["val_accuracy"]) - float(baseline["val_accuracy"])),
     }
+
+
+def matching_baselines(db_url: str, config: ExperimentConfig) -> dict[str, dict[str, Any]]:
+    """The latest finished baseline of each kind logged for exactly this experiment config (by kind)."""
+    from crossdc.db.engine import make_engine
+    from crossdc.db.queries import list_runs
+
+    engine = make_engine(db_url)
+    try:
+        runs = list_runs(engine)
+    finally:
+        engine.dispose()
+    found: dict[str, dict[str, Any]] = {}
+    for run in sorted(runs, key=lambda r: r["started_at"]):
+        if run["baseline"] in BASELINE_KINDS and run["status"] == "finished" and run["config"] == config.raw and run.get("result"):
+            found[run["baseline"]] = run["result"]
+    return found

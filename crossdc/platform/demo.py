@@ -15,7 +15,7 @@ from rich.table import Table
 
 from crossdc.db.engine import make_engine, resolve_database_url, safe_url, upgrade
 from crossdc.db.queries import list_datacenter_rounds
-from crossdc.platform.baselines import gap_to, run_baseline
+from crossdc.platform.baselines import BASELINE_KINDS, gap_to, run_baseline
 from crossdc.platform.config import load_config, with_rounds
 from crossdc.platform.local_run import LocalRunOptions, run_local
 
@@ -23,8 +23,10 @@ QUICK_ROUNDS = 2
 
 
 def run_demo(config_path: Path, quick: bool, db: str | None, port: int, runs_dir: Path) -> dict[str, Any]:
-    """Run the demo federation, then its all-workers baseline; print progress and a final table."""
+    """Run the demo federation, then both single-datacenter baselines; print progress and a final table."""
     console = Console(stderr=True)
+    if not console.is_terminal:  # a log file or a pipe: do not wrap the table at 80 columns
+        console = Console(stderr=True, width=150)
     config = load_config(config_path)
     if quick:
         config = with_rounds(config, QUICK_ROUNDS)
@@ -48,13 +50,15 @@ def run_demo(config_path: Path, quick: bool, db: str | None, port: int, runs_dir
 
         federated = run_local(config, LocalRunOptions(db_url=db_url, superlink_port=port, runs_root=runs_dir, progress=on_round)).summary
         progress.update(task, status="done")
-        base_task = progress.add_task("all-workers baseline", total=config.run.rounds, status="")
-        baseline = run_baseline(config, "all-workers", db_url, uuid.uuid4().hex,
-                                progress=lambda rows: progress.update(base_task, completed=len(rows)))
+        baselines: dict[str, dict[str, Any]] = {}
+        for kind in BASELINE_KINDS:
+            bar = progress.add_task(f"{kind} baseline", total=config.run.rounds, status="")
+            baselines[kind] = run_baseline(config, kind, db_url, uuid.uuid4().hex,
+                                           progress=lambda rows, bar=bar: progress.update(bar, completed=len(rows)))
     breakdown = _time_breakdown(db_url, federated["run_id"])
-    _print_table(console, config, federated, baseline, breakdown, time.perf_counter() - started)
+    _print_table(console, config, federated, baselines, breakdown, time.perf_counter() - started)
     typer.echo(federated["run_id"])
-    return {"federated": federated, "baseline": baseline, "breakdown": breakdown}
+    return {"federated": federated, "baselines": baselines, "breakdown": breakdown}
 
 
 def _time_breakdown(db_url: str, run_id: str) -> dict[str, float]:
@@ -68,18 +72,23 @@ def _time_breakdown(db_url: str, run_id: str) -> dict[str, float]:
     return {key: (median(pick(key)) if pick(key) else float("nan")) for key in ("compute_s", "comm_s", "overhead_s", "round_s")}
 
 
-def _print_table(console: Console, config: Any, federated: dict[str, Any], baseline: dict[str, Any], breakdown: dict[str, float], wall_s: float) -> None:
-    gap = gap_to(baseline, federated)
+def _print_table(console: Console, config: Any, federated: dict[str, Any], baselines: dict[str, dict[str, Any]],
+                 breakdown: dict[str, float], wall_s: float) -> None:
     table = Table(title=f"{config.run.name}: {config.run.rounds} rounds")
-    for column in ("method", "val loss", "val acc", "gap to all-workers", "bytes up", "bytes down", "wall s"):
+    for column in ("method", "val loss", "val acc", "gap (loss, acc)", "bytes up", "bytes down", "wall s"):
         table.add_column(column, justify="right" if column != "method" else "left")
-    table.add_row(f"{config.strategy.name} ({len(config.datacenters)} datacenters)", f"{federated['val_loss']:.4f}",
-                  f"{100 * federated['val_accuracy']:.1f}%",
-                  f"{100 * gap['val_loss_gap_rel']:+.2f}% loss, {gap['val_accuracy_gap_points']:+.1f} pts",
-                  f"{federated['bytes_up_total'] / 1e6:.2f} MB", f"{federated['bytes_down_total'] / 1e6:.2f} MB", f"{federated['wall_s']:.1f}")
-    table.add_row("one datacenter, all workers", f"{baseline['val_loss']:.4f}", f"{100 * baseline['val_accuracy']:.1f}%", "—",
-                  "0", "0", f"{baseline['wall_s']:.1f}")
+    table.add_row(f"{config.strategy.name}, {len(config.datacenters)} datacenters", f"{federated['val_loss']:.4f}",
+                  f"{100 * federated['val_accuracy']:.1f}%", "", f"{federated['bytes_up_total'] / 1e6:.2f} MB",
+                  f"{federated['bytes_down_total'] / 1e6:.2f} MB", f"{federated['wall_s']:.1f}")
+    descriptions = {"all-workers": "one datacenter, all workers", "sequential": "one worker, sequential"}
+    for kind, baseline in baselines.items():
+        gap = gap_to(baseline, federated)
+        table.add_row(f"{descriptions[kind]} ({baseline['steps']} steps × batch {baseline['batch_size']})",
+                      f"{baseline['val_loss']:.4f}", f"{100 * baseline['val_accuracy']:.1f}%",
+                      f"fed. {100 * gap['val_loss_gap_rel']:+.2f}%, {gap['val_accuracy_gap_points']:+.1f} pts",
+                      "0", "0", f"{baseline['wall_s']:.1f}")
     console.print(table)
+    console.print("gap = (L_federated − L_baseline) / L_baseline on validation loss; accuracy difference in points")
     comm = breakdown["comm_s"]
     comm_text = "not measured" if comm != comm else f"{comm:.3f}s"
     console.print(f"per datacenter and round (median): round {breakdown['round_s']:.2f}s = compute {breakdown['compute_s']:.2f}s"

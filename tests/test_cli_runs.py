@@ -1,0 +1,78 @@
+"""The real `crossdc` command: run --json, the baselines, and the demo smoke test (`crossdc demo --quick`)."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from crossdc.db.engine import make_engine
+from crossdc.db.queries import list_datacenter_rounds, list_rounds, list_runs
+from crossdc.platform.processes import free_port
+
+REPO = Path(__file__).resolve().parents[1]
+CONFIG = REPO / "examples" / "synthetic-2dc.toml"
+CROSSDC = str(Path(sys.executable).with_name("crossdc"))
+SUMMARY_KEYS = {"run_id", "rounds", "val_loss", "val_accuracy", "bytes_up_total", "bytes_down_total", "wall_s"}
+
+
+def crossdc(*args: str, cwd: Path, timeout: float = 600) -> subprocess.CompletedProcess[str]:
+    completed = subprocess.run([CROSSDC, *args], capture_output=True, text=True, timeout=timeout, cwd=cwd)
+    assert completed.returncode == 0, completed.stderr[-3000:]
+    assert "Traceback" not in completed.stderr
+    return completed
+
+
+def last_json_line(stdout: str) -> dict:
+    return json.loads(stdout.strip().splitlines()[-1])
+
+
+@pytest.mark.timeout(400)
+def test_run_json_reports_the_gap_to_both_baselines(tmp_path: Path) -> None:
+    db = f"sqlite:///{tmp_path / 'cli.db'}"
+    baselines = {}
+    for kind in ("all-workers", "sequential"):
+        summary = last_json_line(crossdc("run", str(CONFIG), "--db", db, "--json", "--baseline", kind, cwd=tmp_path).stdout)
+        assert SUMMARY_KEYS <= set(summary) and summary["baseline"] == kind
+        baselines[kind] = summary
+    # tau 2, 5, 8 over 3 rounds; 2 datacenters at batch 32
+    assert (baselines["all-workers"]["steps"], baselines["all-workers"]["batch_size"]) == (15, 64)
+    assert (baselines["sequential"]["steps"], baselines["sequential"]["batch_size"]) == (30, 32)
+    summary = last_json_line(crossdc("run", str(CONFIG), "--db", db, "--json", "--engine", "simulation",
+                                     "--runs-dir", str(tmp_path / "runs"), cwd=tmp_path).stdout)
+    assert SUMMARY_KEYS <= set(summary) and summary["rounds"] == 3
+    assert summary["bytes_up_total"] > 0 and summary["bytes_down_total"] > 0
+    for kind, baseline in baselines.items():
+        expected = (summary["val_loss"] - baseline["val_loss"]) / baseline["val_loss"]
+        assert summary["gaps"][kind]["val_loss_gap_rel"] == pytest.approx(expected)
+    engine = make_engine(db)
+    try:
+        runs = {r["id"]: r for r in list_runs(engine)}
+        assert {r["baseline"] for r in runs.values()} == {"none", "all-workers", "sequential"}
+        assert all(r["status"] == "finished" for r in runs.values())
+        assert [r["tau"] for r in list_rounds(engine, baselines["sequential"]["run_id"])] == [4, 10, 16]
+    finally:
+        engine.dispose()
+
+
+@pytest.mark.deployment
+@pytest.mark.timeout(600)
+def test_demo_quick_smoke(tmp_path: Path) -> None:
+    """What CI runs as the smoke test of the main job: 4 datacenters, 2 rounds, both baselines, the table."""
+    completed = crossdc("demo", "--quick", "--port", str(free_port()), cwd=tmp_path)
+    run_id = completed.stdout.strip().splitlines()[-1]
+    for text in ("4 datacenters", "all workers", "sequential", "gap", "communication", "overhead"):
+        assert text in completed.stderr, text
+    engine = make_engine(f"sqlite:///{tmp_path / 'crossdc.db'}")  # the default database, in the working folder
+    try:
+        runs = list_runs(engine)
+        assert sorted(r["baseline"] for r in runs) == ["all-workers", "none", "sequential"]
+        assert all(r["status"] == "finished" for r in runs)
+        dc_rounds = list_datacenter_rounds(engine, run_id)
+        assert len(dc_rounds) == 8 and {r["datacenter"] for r in dc_rounds} == {"us-east", "eu-west", "ap-south", "sa-east"}
+        assert all(r["status"] == "ok" and r["comm_source"] == "relay" for r in dc_rounds)
+    finally:
+        engine.dispose()
