@@ -52,8 +52,8 @@ class Reply:
     received_at: float
 
 
-def collect_replies(grid: Grid, message_ids: list[str], timeout_s: float, enough: int) -> dict[str, Reply]:
-    """Pull replies as they arrive until all are in, or the timeout passes (returning what came, if ≥ `enough`)."""
+def collect_replies(grid: Grid, message_ids: list[str], timeout_s: float) -> dict[str, Reply]:
+    """Pull replies as they arrive until all are in or the timeout passes; returns what came, by message id."""
     pending = set(message_ids)
     replies: dict[str, Reply] = {}
     deadline = time.monotonic() + timeout_s
@@ -83,7 +83,7 @@ def discover_datacenters(grid: Grid, config: ExperimentConfig, runlog: RunLog, r
     content = RecordDict({CONFIG_KEY: ConfigRecord({wire.HELLO_DATACENTERS: ",".join(names)})})
     messages = [Message(content, dst_node_id=node, message_type=MessageType.QUERY) for node in node_ids]
     ids = list(grid.push_messages(messages))
-    replies = collect_replies(grid, ids, DISCOVERY_TIMEOUT_S, len(ids))
+    replies = collect_replies(grid, ids, DISCOVERY_TIMEOUT_S)
     mapping: dict[str, int] = {}
     for reply in replies.values():
         if reply.message.has_error():
@@ -171,7 +171,7 @@ def _run(grid: Grid, run_dir: RunDir, run_id: str, config: ExperimentConfig, run
         pushed_at = time.time()
         ids = list(grid.push_messages([m for m, _ in sent.values()]))
         id_of = {name: msg_id for name, msg_id in zip(sent, ids)}
-        replies = collect_replies(grid, ids, config.run.round_timeout_s, needed)
+        replies = collect_replies(grid, ids, config.run.round_timeout_s)
         accepted: list[ClientUpdate] = []
         rows: dict[str, dict[str, Any]] = {}
         for name in nodes:
@@ -223,12 +223,17 @@ def _run(grid: Grid, run_dir: RunDir, run_id: str, config: ExperimentConfig, run
                 runlog.log_event(run_id=run_id, kind="trainer-restarted", round=server_round, datacenter=name,
                                  detail={"before": trainer_pids[name][-1], "now": pid})
             trainer_pids[name].append(pid)
-        if len(accepted) < needed:
-            raise FederationError(f"round {server_round}: {len(accepted)} usable updates, {needed} needed (run.min_replies)")
-        mean_update = strategy.mean_update(accepted)
-        for update in accepted:
-            rows[update.datacenter]["update_cosine"] = cosine(update.delta, mean_update)
-        weights = strategy.aggregate(server_round, weights, accepted)
+        if len(replies) < needed:
+            raise FederationError(f"round {server_round}: {len(replies)} replies within {config.run.round_timeout_s:.0f}s, "
+                                  f"{needed} needed (run.min_replies)")
+        if accepted:
+            mean_update = strategy.mean_update(accepted)
+            for update in accepted:
+                rows[update.datacenter]["update_cosine"] = cosine(update.delta, mean_update)
+            weights = strategy.aggregate(server_round, weights, accepted)
+        else:  # every reply was rejected or failed: the global model stays as it was
+            runlog.log_event(run_id=run_id, kind="round-without-updates", round=server_round,
+                             detail="no usable update this round; the global model is unchanged")
         eval_s = None
         if server_round % config.run.eval_every == 0 or server_round == config.run.rounds:
             val_loss, val_accuracy, eval_s = _evaluate(model, workload, weights)

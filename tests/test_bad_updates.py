@@ -1,0 +1,77 @@
+"""A datacenter that sends a NaN or wrongly shaped update is rejected, recorded, and never touches the model.
+
+Runs the real ServerApp and the real ClientApp under Flower's simulation engine;
+one datacenter's replies are corrupted on their way out of its ClientApp.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+import pytest
+from flwr.app import Context, Message
+from flwr.clientapp import ClientApp
+
+from crossdc.clients import client_app as real
+from crossdc.compression.payload import ARRAYS_KEY, CONFIG_KEY, from_array_record, to_array_record
+from crossdc.db.engine import make_engine
+from crossdc.db.queries import get_run, list_datacenter_rounds, list_events, list_rounds
+from crossdc.platform.config import load_config
+from crossdc.platform.local_run import LocalRunOptions, run_local
+
+CONFIG = Path(__file__).resolve().parents[1] / "examples" / "synthetic-2dc.toml"
+BAD_DATACENTER = "eu-west"
+
+
+def corrupting_client_app(corrupt: str) -> ClientApp:
+    """The real ClientApp, except that BAD_DATACENTER's updates are corrupted (`nan` or `shape`)."""
+    app = ClientApp()
+
+    @app.query()
+    def hello(msg: Message, context: Context) -> Message:
+        return real.hello(msg, context)
+
+    @app.train()
+    def train(msg: Message, context: Context) -> Message:
+        reply = real.train(msg, context)
+        if str(msg.content[CONFIG_KEY][real.DATACENTER]) == BAD_DATACENTER:
+            delta = from_array_record(reply.content[ARRAYS_KEY])
+            name = next(iter(delta))
+            if corrupt == "nan":
+                delta[name] = np.full_like(delta[name], np.nan)
+            else:
+                delta[name] = np.zeros(delta[name].shape + (2,), dtype=np.float32)
+            reply.content[ARRAYS_KEY] = to_array_record(delta)
+        return reply
+
+    return app
+
+
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("corrupt, reason", [("nan", "NaN"), ("shape", "shape")])
+def test_bad_update_is_rejected_and_the_run_goes_on(corrupt: str, reason: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(real, "app", corrupting_client_app(corrupt))
+    db_url = f"sqlite:///{tmp_path / 'bad.db'}"
+    result = run_local(load_config(CONFIG), LocalRunOptions(db_url=db_url, engine="simulation", runs_root=tmp_path / "runs"))
+    engine = make_engine(db_url)
+    try:
+        run = get_run(engine, result.run_id)
+        rounds = list_rounds(engine, result.run_id)
+        dc_rounds = list_datacenter_rounds(engine, result.run_id)
+        events = list_events(engine, result.run_id)
+    finally:
+        engine.dispose()
+    assert run["status"] == "finished" and len(rounds) == 3
+    bad = [r for r in dc_rounds if r["datacenter"] == BAD_DATACENTER]
+    good = [r for r in dc_rounds if r["datacenter"] != BAD_DATACENTER]
+    assert all(r["status"] == "rejected" and reason in r["reason"] for r in bad)
+    assert all(r["status"] == "ok" for r in good)
+    assert sum(e["kind"] == "rejected" and e["datacenter"] == BAD_DATACENTER for e in events) == 3
+    # the global model only ever saw the good datacenter's updates: finite, and learning
+    assert all(np.isfinite(r["val_loss"]) for r in rounds)
+    assert rounds[-1]["val_loss"] < rounds[0]["val_loss"]
+    final = np.load(result.run_dir / "final-weights.npz")
+    assert all(np.all(np.isfinite(final[name])) for name in final.files)
+    # bytes are only counted for what was accepted in the raw column
+    assert all(r["bytes_up_raw"] == 0 for r in bad) and all(r["bytes_up"] > 0 for r in bad)
