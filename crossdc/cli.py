@@ -88,10 +88,12 @@ def _run_experiment(config: Any, db_url: str, engine: str, port: int, runs_dir: 
 
 
 def _install_sigterm() -> None:
+    """SIGTERM and SIGHUP (a closed terminal) stop a run like Ctrl-C: cleanly, every process with it."""
     def handler(signum: int, frame: Any) -> None:
         raise KeyboardInterrupt
 
     signal.signal(signal.SIGTERM, handler)
+    signal.signal(signal.SIGHUP, handler)
 
 
 def _guard(func: Any) -> Any:
@@ -126,7 +128,7 @@ def run(
     as_json: bool = typer.Option(False, "--json", help="Print the run's summary as a JSON object on the last line."),
     baseline: str | None = typer.Option(None, "--baseline", help="Instead of the federation, run a single-datacenter baseline: all-workers or sequential."),
     superlink: str | None = typer.Option(None, "--superlink", help="HOST:PORT of a standing federation (not implemented yet)."),
-    port: int = typer.Option(8000, "--port", help="Port of the local SuperLink."),
+    port: int = typer.Option(8000, "--port", min=1, max=65535, help="Port of the local SuperLink."),
     engine: str = typer.Option("deployment", "--engine", help="deployment (SuperLink + SuperNodes) or simulation (Flower's in-process engine)."),
     runs_dir: Path = typer.Option(Path("runs"), "--runs-dir", help="Where run folders (logs, trainer state) go."),
 ) -> None:
@@ -149,8 +151,13 @@ def run(
         summary = run_baseline(config, baseline, db_url, run_id, progress=None if as_json else (lambda rows: _print_round(rows, config.run.rounds)))
     else:
         summary = _run_experiment(config, db_url, engine, port, runs_dir, quiet=as_json)
+        typer.echo(f"run {summary['run_id']} finished", err=True)
         # the gap to training in one place, for every baseline of this exact experiment already run
-        summary["gaps"] = {kind: gap_to(base, summary) for kind, base in matching_baselines(db_url, config).items()}
+        try:
+            summary["gaps"] = {kind: gap_to(base, summary) for kind, base in matching_baselines(db_url, config).items()}
+        except Exception as err:  # the run itself is done and logged; a failed look-up must not hide it
+            typer.echo(f"crossdc: warning: could not compare with baselines: {_one_line(err)}", err=True)
+            summary["gaps"] = {}
         for kind, gap in summary["gaps"].items():
             typer.echo(f"gap to the {kind} baseline: validation loss {100 * gap['val_loss_gap_rel']:+.2f}%, "
                        f"accuracy {gap['val_accuracy_gap_points']:+.1f} points", err=True)
@@ -169,7 +176,7 @@ def _jsonable(summary: dict[str, Any]) -> dict[str, Any]:
 def demo(
     quick: bool = typer.Option(False, "--quick", help="2 rounds (a smoke test)."),
     db: str | None = DB_OPTION,
-    port: int = typer.Option(8000, "--port", help="Port of the local SuperLink."),
+    port: int = typer.Option(8000, "--port", min=1, max=65535, help="Port of the local SuperLink."),
     runs_dir: Path = typer.Option(Path("runs"), "--runs-dir"),
 ) -> None:
     """4 datacenters, naturally non-IID Shakespeare, over loopback; then the all-workers baseline and a comparison table."""

@@ -590,3 +590,17 @@ def test_runlog_is_thread_safe(migrated_sqlite_url: str) -> None:
     eng = make_engine(migrated_sqlite_url)
     assert len(queries.list_datacenter_rounds(eng, "r")) == 200
     eng.dispose()
+
+
+def test_first_final_status_wins(migrated_sqlite_url: str) -> None:
+    with RunLog(migrated_sqlite_url) as log:
+        _start(log, "r-final")
+        log.finish_run(run_id="r-final", status="interrupted", error="Ctrl-C")
+        log.finish_run(run_id="r-final", status="failed", error="SystemExit: 0")
+        log.flush(timeout=10)
+    engine = make_engine(migrated_sqlite_url)
+    try:
+        run = queries.get_run(engine, "r-final")
+    finally:
+        engine.dispose()
+    assert (run["status"], run["error"]) == ("interrupted", "Ctrl-C")

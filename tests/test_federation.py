@@ -14,8 +14,8 @@ import pytest
 from crossdc.db.engine import make_engine
 from crossdc.db.queries import get_run, list_datacenter_rounds, list_events, list_rounds, parse_flower_run_ids
 from crossdc.platform.config import load_config, with_rounds
-from crossdc.platform.local_run import LocalRunOptions, run_local
-from crossdc.platform.processes import ensure_port_free, free_port
+from crossdc.platform.local_run import RUN_MARKER_ENV, LocalRunOptions, run_local
+from crossdc.platform.processes import ensure_port_free, free_port, processes_with_env
 
 REPO = Path(__file__).resolve().parents[1]
 CONFIG = REPO / "examples" / "synthetic-2dc.toml"
@@ -119,6 +119,8 @@ def test_no_process_survives_the_run(deployment_run: dict) -> None:
     assert result.child_pids, "the run should have started processes"
     assert [pid for pid in result.child_pids if _alive(pid)] == []
     assert _processes_mentioning(str(result.run_dir)) == []
+    # what Flower spawned detached (its SuperExec, the ServerApp, ClientApps) carries the run's marker
+    assert processes_with_env(RUN_MARKER_ENV, str(result.run_dir)) == []
     ensure_port_free("127.0.0.1", deployment_run["port"])  # nothing listens on the SuperLink's port any more
 
 
@@ -148,6 +150,7 @@ def test_ctrl_c_stops_everything_and_marks_the_run_interrupted(tmp_path: Path) -
         assert "Traceback" not in stderr
         assert get_run(engine, run_id)["status"] == "interrupted"
         assert _processes_mentioning(str(runs)) == []
+        assert processes_with_env(RUN_MARKER_ENV, str(runs / run_id)) == []
     finally:
         engine.dispose()
         if process.poll() is None:

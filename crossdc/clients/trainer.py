@@ -71,6 +71,8 @@ class DatacenterTrainer:
         if request.get("run_id") != self.run_id:
             return {"ok": False, "error": f"trainer serves run {self.run_id}, request is for run {request.get('run_id')}"}
         server_round, tau = int(request["round"]), int(request["tau"])
+        if server_round <= self.last_round:  # a stale message (e.g. delivered after its round closed)
+            return {"ok": False, "error": f"round {server_round} is not newer than round {self.last_round}, already trained here"}
         global_weights = request["weights"]
         self.trainer.set_weights(global_weights)
         result = self.trainer.train_steps(tau)

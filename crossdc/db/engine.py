@@ -41,6 +41,14 @@ def resolve_database_url(cli_value: str | None) -> str:
     return DEFAULT_DATABASE_URL
 
 
+def absolute_database_url(url: str) -> str:
+    """The same URL, with a relative SQLite file made absolute (so another process in another folder opens the same file)."""
+    parsed = parse_url(url)
+    if parsed.get_backend_name() != "sqlite" or not parsed.database or parsed.database == ":memory:" or os.path.isabs(parsed.database):
+        return url
+    return parsed.set(database=os.path.abspath(parsed.database)).render_as_string(hide_password=False)
+
+
 def parse_url(url: str | URL) -> URL:
     """Parse ``url``; a plain ``postgresql://`` / ``postgres://`` URL gets the psycopg 3 driver."""
     if isinstance(url, URL):

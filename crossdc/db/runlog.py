@@ -259,9 +259,10 @@ def _op_heartbeat(conn: Connection, v: dict[str, Any]) -> None:
 
 
 def _op_finish_run(conn: Connection, v: dict[str, Any]) -> None:
+    """The first final status wins: a run that already ended keeps its status, error and result."""
     res = conn.execute(
         update(_RUNS)
-        .where(_RUNS.c.id == v["run_id"])
+        .where(_RUNS.c.id == v["run_id"], _RUNS.c.status == "running")
         .values(
             status=v["status"],
             finished_at=v["at"],
@@ -271,7 +272,9 @@ def _op_finish_run(conn: Connection, v: dict[str, Any]) -> None:
         )
     )
     if res.rowcount == 0:
-        raise LookupError(f"run {v['run_id']!r} does not exist (call start_run first)")
+        if conn.execute(select(_RUNS.c.status).where(_RUNS.c.id == v["run_id"])).first() is None:
+            raise LookupError(f"run {v['run_id']!r} does not exist (call start_run first)")
+        log.info("run %s had already ended; its final status is kept (not %s)", v["run_id"], v["status"])
 
 
 _Op = Callable[[Connection, dict[str, Any]], None]
@@ -595,7 +598,11 @@ class RunLog:
         error: str | None = None,
         result: dict[str, Any] | None = None,
     ) -> None:
-        """End the run: ``status`` (finished, failed, interrupted), ``finished_at`` now."""
+        """End the run: ``status`` (finished, failed, interrupted), ``finished_at`` now.
+
+        The first final status wins: ending a run that has already ended changes nothing
+        (so a ServerApp killed during teardown cannot overwrite the orchestrator's verdict).
+        """
         if status == "running":
             raise ValueError("finish_run needs a final status: finished, failed or interrupted")
         if result is not None and not isinstance(result, Mapping):

@@ -1,10 +1,12 @@
-"""Single-datacenter baselines: what the federation would reach if the WAN were free.
+"""Single-datacenter baselines: the bar a federation is measured against ("within 1%").
 
 - ``all-workers``: one datacenter holding all the data and all the workers:
   synchronous data parallel with global batch = Σ datacenter batches, and as
-  many steps as one datacenter's local steps summed over the rounds. (One
-  process computing the mean gradient of the global batch is mathematically
-  that synchronous data-parallel step.)
+  many steps as one datacenter's local steps summed over the rounds. The data
+  is pooled (batches drawn uniformly from the union of the shards, as one
+  datacenter holding everything would); one process computing the mean
+  gradient of the global batch is mathematically that synchronous
+  data-parallel step.
 - ``sequential``: the same total number of gradient computations in one
   sequence at the per-datacenter batch size: N × Σ τ steps (N datacenters).
 

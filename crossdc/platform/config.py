@@ -317,10 +317,6 @@ def load_config(path: str | Path) -> ExperimentConfig:
     return parse_config(doc)
 
 
-def config_from_json(text: str) -> ExperimentConfig:
-    """Rebuild a config from :meth:`ExperimentConfig.to_json` (used by the ServerApp and trainers)."""
-    return parse_config(json.loads(text))
-
 
 def with_rounds(config: ExperimentConfig, rounds: int) -> ExperimentConfig:
     """The same experiment with another number of rounds (typed fields and `raw` kept in step)."""

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import numpy as np
 import torch
 
 from crossdc.platform.config import ExperimentConfig
@@ -38,10 +37,3 @@ def datacenter_seed(config: ExperimentConfig, datacenter: str) -> int:
     return config.run.seed * 1000 + 1 + config.datacenter_names.index(datacenter)
 
 
-def planned_local_steps(strategy: Strategy, rounds: int) -> list[int]:
-    """τ of every round 1..rounds."""
-    return [strategy.tau(r) for r in range(1, rounds + 1)]
-
-
-def as_float32(arrays: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
-    return {k: np.asarray(v, dtype=np.float32) for k, v in arrays.items()}

@@ -1,11 +1,13 @@
 """The synchronous federated loop on Flower's Grid (the body of crossdc's ServerApp).
 
 Promises, per round: every datacenter gets the global weights and τ; the
-round closes when every datacenter has replied, or at the round timeout with
-at least `min_replies` (0 = all) replies; every reply passes the update gate;
+round closes as soon as `min_replies` (0 = all) datacenters have replied —
+the others are recorded as timed out — and fails the run if that many have
+not replied by the round timeout; every reply passes the update gate;
 accepted updates are aggregated by the strategy; the global model is
 evaluated on the one shared validation set; the round and one row per
-datacenter go to the run log. Replies are pulled as they arrive (no fixed
+datacenter go to the run log. Replies are pulled as they arrive (polling every
+20–250 ms, faster while replies come in; no fixed
 3-second barrier): only messages still pending are polled.
 """
 
@@ -39,6 +41,9 @@ from crossdc.workloads import evaluate
 log = logging.getLogger("crossdc.federation")
 
 POLL_INTERVAL_S = 0.02
+MAX_POLL_INTERVAL_S = 0.25
+#: a run stops when this many rounds in a row produced no usable update
+MAX_ROUNDS_WITHOUT_UPDATES = 3
 DISCOVERY_TIMEOUT_S = 180.0
 
 
@@ -52,19 +57,25 @@ class Reply:
     received_at: float
 
 
-def collect_replies(grid: Grid, message_ids: list[str], timeout_s: float) -> dict[str, Reply]:
-    """Pull replies as they arrive until all are in or the timeout passes; returns what came, by message id."""
+def collect_replies(grid: Grid, message_ids: list[str], timeout_s: float, enough: int | None = None) -> dict[str, Reply]:
+    """Pull replies as they arrive until `enough` (default: all) are in or the timeout passes; returns what came, by message id."""
     pending = set(message_ids)
     replies: dict[str, Reply] = {}
     deadline = time.monotonic() + timeout_s
-    while pending and time.monotonic() < deadline:
+    enough = len(message_ids) if enough is None else enough
+    interval = POLL_INTERVAL_S
+    while pending and len(replies) < enough and time.monotonic() < deadline:
+        arrived = False
         for message in grid.pull_messages(list(pending)):
             reply_to = message.metadata.reply_to_message_id
             if reply_to in pending:
                 pending.discard(reply_to)
                 replies[reply_to] = Reply(message, time.time())
+                arrived = True
+        # poll fast while replies come in, back off (to MAX_POLL_INTERVAL_S) while nothing does
+        interval = POLL_INTERVAL_S if arrived else min(MAX_POLL_INTERVAL_S, interval * 1.5)
         if pending:
-            time.sleep(POLL_INTERVAL_S)
+            time.sleep(interval)
     return replies
 
 
@@ -86,9 +97,10 @@ def discover_datacenters(grid: Grid, config: ExperimentConfig, runlog: RunLog, r
     replies = collect_replies(grid, ids, DISCOVERY_TIMEOUT_S)
     mapping: dict[str, int] = {}
     for reply in replies.values():
-        if reply.message.has_error():
+        try:
+            name = str(reply.message.content[CONFIG_KEY][wire.DATACENTER])
+        except Exception:  # an error reply, or one without a name: that node stays unknown
             continue
-        name = str(reply.message.content[CONFIG_KEY][wire.DATACENTER])
         if name in mapping:
             raise FederationError(f"two SuperNodes claim to be datacenter '{name}'")
         if name not in names:
@@ -117,17 +129,17 @@ def _evaluate(model: torch.nn.Module, workload: Any, weights: dict[str, np.ndarr
 
 def run_federation(grid: Grid, run_dir: RunDir) -> dict[str, Any]:
     """Run the experiment of `run_dir` to its end on `grid`; returns the run's summary."""
-    settings = run_dir.settings()
+    settings = run_dir.settings()  # unreadable: nothing to log to; the orchestrator sees Flower end the run
     run_id: str = settings["run_id"]
-    config = parse_config(settings["config"])
-    runlog = RunLog(settings["db_url"])
+    runlog = RunLog(settings["db_url"], max_outage_s=float(settings.get("db_max_outage_s", 300.0)))
     try:
-        summary = _run(grid, run_dir, run_id, config, runlog)
+        summary = _run(grid, run_dir, run_id, parse_config(settings["config"]), runlog)
         runlog.finish_run(run_id=run_id, status="finished", result=summary)
         runlog.flush(timeout=60)
         return summary
     except BaseException as err:
-        status = "interrupted" if isinstance(err, KeyboardInterrupt) else "failed"
+        # Flower ends a ServerApp it is told to stop with SystemExit (SIGINT/SIGTERM)
+        status = "interrupted" if isinstance(err, (KeyboardInterrupt, SystemExit)) else "failed"
         message = f"{type(err).__name__}: {err}".splitlines()[0]
         log.error("run %s %s: %s\n%s", run_id, status, message, traceback.format_exc())
         try:
@@ -135,10 +147,50 @@ def run_federation(grid: Grid, run_dir: RunDir) -> dict[str, Any]:
             runlog.finish_run(run_id=run_id, status=status, error=message)
             runlog.flush(timeout=30)
         except Exception:
-            log.exception("could not record the failure in the run log")
+            log.exception("could not record the end of the run in the run log")
         raise
     finally:
-        runlog.close()
+        runlog.close(timeout=10)
+
+
+@dataclass
+class Judged:
+    """One datacenter's outcome in one round: its datacenter_rounds row, and its update if accepted."""
+
+    row: dict[str, Any]
+    update: ClientUpdate | None = None
+    trainer_pid: int | None = None
+
+
+def judge_reply(reply: Reply | None, weights: dict[str, np.ndarray], tau: int, batch_size: int, pushed_at: float,
+                timeout_reason: str) -> Judged:
+    """Pass one reply through the gate: a row with status ok, failed, timeout or rejected (with its reason)."""
+    if reply is None:
+        return Judged({"status": "timeout", "reason": timeout_reason})
+    row: dict[str, Any] = {"round_s": reply.received_at - pushed_at}
+    if reply.message.has_error():
+        return Judged({**row, "status": "failed", "reason": str(reply.message.error.reason).splitlines()[0][:500]})
+    content = reply.message.content
+    row["bytes_up"] = payload_bytes(content)
+    try:
+        delta = from_array_record(content[ARRAYS_KEY])
+        metrics = dict(content[METRICS_KEY])
+        num_examples = int(metrics["num-examples"])
+        compute_s = float(metrics["compute-s"])
+        train_loss = float(metrics.get("train-loss", float("nan")))
+        trainer_pid = int(metrics.get("trainer-pid", -1))
+        reason = rejection_reason(delta, weights)
+    except Exception as err:  # a reply that is not what the contract says
+        return Judged({**row, "status": "rejected", "reason": f"malformed reply: {type(err).__name__}: {err}"[:500]})
+    if reason is None and not 0 < num_examples <= tau * batch_size:
+        reason = f"reply reports {num_examples} examples; at most τ × batch = {tau * batch_size} are possible"
+    if reason is None and not 0 <= compute_s <= row["round_s"]:
+        reason = f"reply reports {compute_s:.3f}s of compute in a {row['round_s']:.3f}s round"
+    if reason is not None:
+        return Judged({**row, "status": "rejected", "reason": reason})
+    row.update(status="ok", bytes_up_raw=raw_fp32_bytes(delta), compute_s=compute_s, train_loss=train_loss,
+               num_examples=num_examples, drift_l2=l2_norm(delta))
+    return Judged(row, ClientUpdate("", delta, num_examples, metrics), trainer_pid)
 
 
 def _run(grid: Grid, run_dir: RunDir, run_id: str, config: ExperimentConfig, runlog: RunLog) -> dict[str, Any]:
@@ -148,8 +200,9 @@ def _run(grid: Grid, run_dir: RunDir, run_id: str, config: ExperimentConfig, run
     model = initial_model(config, workload)
     weights = model_weights(model)
     nodes = discover_datacenters(grid, config, runlog, run_id)
+    regions = {dc.name: dc.region for dc in config.datacenters}
     for name in nodes:
-        runlog.touch_datacenter(name=name)
+        runlog.touch_datacenter(name=name, region=regions[name])
     runlog.log_event(run_id=run_id, kind="federation-ready", round=0, detail={"datacenters": sorted(nodes)})
     run_started = time.perf_counter()
     totals = {"bytes_up": 0, "bytes_down": 0}
@@ -157,103 +210,84 @@ def _run(grid: Grid, run_dir: RunDir, run_id: str, config: ExperimentConfig, run
     links = {name: LedgerReader(run_dir.link_ledger(name)) for name in nodes}
     val_loss = val_accuracy = float("nan")
     needed = config.run.min_replies or len(nodes)
+    rounds_without_updates = 0
     for server_round in range(1, config.run.rounds + 1):
         round_started = time.perf_counter()
         tau = strategy.tau(server_round)
         global_record = to_array_record(weights)
-        sent: dict[str, tuple[Message, int]] = {}
+        messages: dict[str, Message] = {}
+        bytes_down: dict[str, int] = {}
         for name, node in nodes.items():
             cfg = {wire.ROUND: server_round, wire.TAU: tau, wire.RUN_ID: run_id, wire.RUN_DIR: str(run_dir.path), wire.DATACENTER: name}
             cfg.update(strategy.client_config(server_round))
             content = RecordDict({ARRAYS_KEY: global_record, CONFIG_KEY: ConfigRecord(cfg)})
-            message = Message(content, dst_node_id=node, message_type=MessageType.TRAIN)
-            sent[name] = (message, payload_bytes(content))
+            messages[name] = Message(content, dst_node_id=node, message_type=MessageType.TRAIN)
+            bytes_down[name] = payload_bytes(content)
         pushed_at = time.time()
-        ids = list(grid.push_messages([m for m, _ in sent.values()]))
-        id_of = {name: msg_id for name, msg_id in zip(sent, ids)}
-        replies = collect_replies(grid, ids, config.run.round_timeout_s)
-        accepted: list[ClientUpdate] = []
-        rows: dict[str, dict[str, Any]] = {}
+        ids = list(grid.push_messages(list(messages.values())))
+        id_of = dict(zip(messages, ids))
+        replies = collect_replies(grid, ids, config.run.round_timeout_s, enough=needed)
+        timeout_reason = (f"round closed after {needed} replies (run.min_replies)" if len(replies) >= needed
+                          else f"no reply within {config.run.round_timeout_s:.0f}s")
+        judged: dict[str, Judged] = {}
         for name in nodes:
-            bytes_down = sent[name][1]
-            reply = replies.get(id_of[name])
-            row: dict[str, Any] = {"bytes_down": bytes_down}
-            rows[name] = row
-            if reply is None:
-                row.update(status="timeout", reason=f"no reply within {config.run.round_timeout_s:.0f}s")
-                runlog.log_event(run_id=run_id, kind="timeout", round=server_round, datacenter=name, detail=row["reason"])
-                continue
-            round_s = reply.received_at - pushed_at
-            row["round_s"] = round_s
-            runlog.touch_datacenter(name=name)
-            if reply.message.has_error():
-                row.update(status="failed", reason=str(reply.message.error.reason).splitlines()[0][:500])
-                runlog.log_event(run_id=run_id, kind="failed", round=server_round, datacenter=name, detail=row["reason"])
-                continue
-            content = reply.message.content
-            row["bytes_up"] = payload_bytes(content)
-            try:
-                delta = from_array_record(content[ARRAYS_KEY])
-                metrics = dict(content[METRICS_KEY])
-                reason = rejection_reason(delta, weights)
-            except Exception as err:  # undecodable reply
-                delta, metrics, reason = {}, {}, f"undecodable reply: {type(err).__name__}: {err}"
-            if reason is None and int(metrics.get("num-examples", 0)) <= 0:
-                reason = "reply reports no examples"
-            if reason is not None:
-                row.update(status="rejected", reason=reason)
-                runlog.log_event(run_id=run_id, kind="rejected", round=server_round, datacenter=name, detail=reason)
-                continue
-            compute_s = float(metrics.get("compute-s", 0.0))
-            comm_s, comm_source = _time_on_link(links[name], pushed_at, reply.received_at)
-            row.update(
-                status="ok",
-                bytes_up_raw=raw_fp32_bytes(delta),
-                compute_s=compute_s,
-                comm_s=comm_s,
-                comm_source=comm_source,
-                overhead_s=max(0.0, round_s - compute_s - (comm_s or 0.0)),
-                train_loss=float(metrics.get("train-loss", float("nan"))),
-                num_examples=int(metrics["num-examples"]),
-                drift_l2=l2_norm(delta),
-            )
-            accepted.append(ClientUpdate(name, delta, int(metrics["num-examples"]), metrics))
-            pid = int(metrics.get("trainer-pid", -1))
-            if trainer_pids[name] and trainer_pids[name][-1] != pid:
-                runlog.log_event(run_id=run_id, kind="trainer-restarted", round=server_round, datacenter=name,
-                                 detail={"before": trainer_pids[name][-1], "now": pid})
-            trainer_pids[name].append(pid)
-        if len(replies) < needed:
-            raise FederationError(f"round {server_round}: {len(replies)} replies within {config.run.round_timeout_s:.0f}s, "
-                                  f"{needed} needed (run.min_replies)")
-        if accepted:
+            judged[name] = outcome = judge_reply(replies.get(id_of[name]), weights, tau, config.workload.batch_size,
+                                                 pushed_at, timeout_reason)
+            outcome.row["bytes_down"] = bytes_down[name]
+            if outcome.row["status"] != "timeout":
+                runlog.touch_datacenter(name=name, region=regions[name])
+            if outcome.row["status"] != "ok":
+                runlog.log_event(run_id=run_id, kind=outcome.row["status"], round=server_round, datacenter=name,
+                                 detail=outcome.row["reason"])
+            if outcome.trainer_pid is not None:
+                if trainer_pids[name] and trainer_pids[name][-1] != outcome.trainer_pid:
+                    runlog.log_event(run_id=run_id, kind="trainer-restarted", round=server_round, datacenter=name,
+                                     detail={"before": trainer_pids[name][-1], "now": outcome.trainer_pid})
+                trainer_pids[name].append(outcome.trainer_pid)
+        accepted = [ClientUpdate(name, j.update.delta, j.update.num_examples, j.update.metrics)
+                    for name, j in judged.items() if j.update is not None]
+        enough_replies = len(replies) >= needed
+        if enough_replies and accepted:
+            rounds_without_updates = 0
             mean_update = strategy.mean_update(accepted)
             for update in accepted:
-                rows[update.datacenter]["update_cosine"] = cosine(update.delta, mean_update)
+                judged[update.datacenter].row["update_cosine"] = cosine(update.delta, mean_update)
             weights = strategy.aggregate(server_round, weights, accepted)
-        else:  # every reply was rejected or failed: the global model stays as it was
+        elif enough_replies:  # every reply was rejected or failed: the global model stays as it was
+            rounds_without_updates += 1
             runlog.log_event(run_id=run_id, kind="round-without-updates", round=server_round,
                              detail="no usable update this round; the global model is unchanged")
         eval_s = None
-        if server_round % config.run.eval_every == 0 or server_round == config.run.rounds:
+        if enough_replies and (server_round % config.run.eval_every == 0 or server_round == config.run.rounds):
             val_loss, val_accuracy, eval_s = _evaluate(model, workload, weights)
             if not np.isfinite(val_loss):
                 runlog.log_event(run_id=run_id, kind="diverged", round=server_round, detail=f"validation loss {val_loss}")
-        round_bytes_up = sum(r.get("bytes_up", 0) for r in rows.values())
-        round_bytes_down = sum(r["bytes_down"] for r in rows.values())
+        # time on the link is read once the round is over, so the relay has recorded the last reply's bytes
+        for name, outcome in judged.items():
+            row = outcome.row
+            if "round_s" in row:
+                row["comm_s"], row["comm_source"] = _time_on_link(links[name], pushed_at, pushed_at + row["round_s"])
+            if row["status"] == "ok":
+                row["overhead_s"] = row["round_s"] - row["compute_s"] - (row["comm_s"] or 0.0)
+            runlog.log_datacenter_round(run_id=run_id, round=server_round, datacenter=name, **row)
+        round_bytes_up = sum(j.row.get("bytes_up", 0) for j in judged.values())
+        round_bytes_down = sum(bytes_down.values())
         totals["bytes_up"] += round_bytes_up
         totals["bytes_down"] += round_bytes_down
-        for name, row in rows.items():
-            runlog.log_datacenter_round(run_id=run_id, round=server_round, datacenter=name, **row)
         runlog.log_round(
             run_id=run_id, round=server_round, tau=tau,
             val_loss=val_loss if eval_s is not None else None,
             val_accuracy=val_accuracy if eval_s is not None else None,
             bytes_up=round_bytes_up, bytes_down=round_bytes_down,
-            bytes_up_raw=sum(r.get("bytes_up_raw", 0) for r in rows.values()),
+            bytes_up_raw=sum(j.row.get("bytes_up_raw", 0) for j in judged.values()),
             wall_s=time.perf_counter() - round_started, eval_s=eval_s,
         )
         runlog.heartbeat(run_id=run_id)
+        if not enough_replies:
+            raise FederationError(f"round {server_round}: {len(replies)} replies within {config.run.round_timeout_s:.0f}s, "
+                                  f"{needed} needed (run.min_replies)")
+        if rounds_without_updates >= MAX_ROUNDS_WITHOUT_UPDATES:
+            raise FederationError(f"{rounds_without_updates} rounds in a row without one usable update; see the events")
         try:
             runlog.raise_if_failed()
         except DatabaseUnavailable:
@@ -273,4 +307,3 @@ def _run(grid: Grid, run_dir: RunDir, run_id: str, config: ExperimentConfig, run
         "wall_s": time.perf_counter() - run_started,
         "trainer_pids": trainer_pids,
     }
-

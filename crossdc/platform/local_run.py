@@ -10,12 +10,15 @@ Flower's Deployment Engine (``engine="deployment"``) and its simulation
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import logging
 import os
 import shutil
+import signal
 import subprocess
 import sys
+import threading
 import time
 import uuid
 from collections.abc import Callable
@@ -26,19 +29,22 @@ from typing import Any
 from crossdc.clients.channel import TrainerUnavailable, call_trainer
 from sqlalchemy.exc import OperationalError
 
-from crossdc.db.engine import make_engine, upgrade
+from crossdc.db.engine import absolute_database_url, make_engine, upgrade
 from crossdc.db.errors import DatabaseUnavailable
 from crossdc.db.queries import get_run, list_rounds
 from crossdc.db.runlog import RunLog
 from crossdc.platform.config import ExperimentConfig
 from crossdc.platform.link_relay import LinkRelay
-from crossdc.platform.processes import ProcessGroup, ensure_port_free, free_port, wait_for_port
+from crossdc.platform.processes import ProcessGroup, ensure_port_free, free_port, kill_processes_with_env, wait_for_port
 from crossdc.platform.rundir import RunDir
 
 log = logging.getLogger("crossdc.local_run")
 
 HOST = "127.0.0.1"
 TRAINER_START_TIMEOUT_S = 180.0
+#: how often Flower's own run status is checked, and how long SQL may lag behind Flower's "finished"
+FLOWER_CHECK_S = 10.0
+FLOWER_END_GRACE_S = 5.0
 FLOWER_APP_TEMPLATE = Path(__file__).with_name("flower_app") / "pyproject.toml"
 
 ProgressCallback = Callable[[list[dict[str, Any]]], None]
@@ -56,7 +62,8 @@ class LocalRunOptions:
     runs_root: Path = Path("runs")
     progress: ProgressCallback | None = None
     run_id: str | None = None
-    keep_run_dir: bool = True
+    #: how long the ServerApp may buffer run-log writes while the database does not answer
+    db_max_outage_s: float = 300.0
 
 
 @dataclass
@@ -68,9 +75,14 @@ class LocalRunResult:
     child_pids: list[int] = field(default_factory=list)
 
 
+RUN_MARKER_ENV = "CROSSDC_RUN_DIR"
+
+
 def flower_env(run_dir: RunDir) -> dict[str, str]:
-    """Environment for Flower's processes: private FLWR_HOME, no telemetry, one thread per process."""
+    """Environment for the run's processes: private FLWR_HOME, no telemetry, one thread per process, and a
+    marker (CROSSDC_RUN_DIR) that every process Flower spawns inherits, so clean-up can find them all."""
     env = dict(os.environ)
+    env[RUN_MARKER_ENV] = str(run_dir.path)
     # Flower's processes start each other by name (flower-superexec, flwr-serverapp, flwr-clientapp)
     env["PATH"] = os.pathsep.join([str(Path(sys.executable).parent), env.get("PATH", "")])
     env.update(
@@ -95,7 +107,7 @@ class LocalRun:
 
     def __init__(self, config: ExperimentConfig, options: LocalRunOptions) -> None:
         self.config = config
-        self.options = options
+        self.options = dataclasses.replace(options, db_url=absolute_database_url(options.db_url))
         self.run_id = options.run_id or uuid.uuid4().hex
         self.run_dir = RunDir(Path(options.runs_root).resolve() / self.run_id)
         self.processes = ProcessGroup()
@@ -105,9 +117,10 @@ class LocalRun:
     # --------------------------------------------------------------- set-up
     def prepare(self) -> None:
         if self.options.engine == "deployment":
-            ensure_port_free(HOST, self.options.superlink_port)
+            ensure_port_free(HOST, self.options.superlink_port)  # fail before anything starts; checked again at launch
         upgrade(self.options.db_url)
-        self.run_dir.create({"run_id": self.run_id, "db_url": self.options.db_url, "config": self.config.raw})
+        self.run_dir.create({"run_id": self.run_id, "db_url": self.options.db_url, "config": self.config.raw,
+                             "db_max_outage_s": self.options.db_max_outage_s})
         with RunLog(self.options.db_url) as runlog:
             runlog.start_run(run_id=self.run_id, name=self.config.run.name, strategy=self.config.strategy.name,
                              config=self.config.raw, rounds_planned=self.config.run.rounds)
@@ -144,6 +157,7 @@ class LocalRun:
         )
         self.run_dir.app_dir.mkdir(parents=True, exist_ok=True)
         shutil.copy(FLOWER_APP_TEMPLATE, self.run_dir.app_dir / "pyproject.toml")
+        ensure_port_free(HOST, port)
         superlink = self.processes.start(
             "superlink",
             [_bin("flower-superlink"), "--insecure", "--disable-runtime-dependency-installation", "--host", HOST, "--port", str(port)],
@@ -153,6 +167,9 @@ class LocalRun:
             wait_for_port(HOST, port, 60, alive=superlink)
         except (RuntimeError, TimeoutError) as err:
             raise RunFailed(f"the SuperLink did not start: {err}") from None
+        time.sleep(0.5)
+        if superlink.process.poll() is not None:  # something else answered on the port: never join another run's SuperLink
+            raise RunFailed(f"the SuperLink exited at start-up (code {superlink.process.returncode}); see {superlink.log_path}")
         for name in self.config.datacenter_names:
             # each datacenter reaches the SuperLink through its own link, which measures what crosses it
             relay = LinkRelay(HOST, port, self.run_dir.link_ledger(name)).start()
@@ -182,19 +199,43 @@ class LocalRun:
         return int(answer["run-id"])
 
     # ------------------------------------------------------------ monitoring
-    def wait(self) -> dict[str, Any]:
+    def flower_status(self, flower_run_id: int) -> tuple[str, str]:
+        """(status, details) of the run as Flower's SuperLink reports it, e.g. ("finished:failed", "ServerApp failed with …")."""
+        completed = subprocess.run(
+            [_bin("flwr"), "ls", "crossdc", "--run-id", str(flower_run_id), "--format", "json"],
+            env=flower_env(self.run_dir), capture_output=True, text=True, timeout=60,
+        )
+        try:
+            run = json.loads(completed.stdout)["runs"][0]
+            return str(run["status"]), str(run.get("status-details", ""))
+        except (json.JSONDecodeError, KeyError, IndexError):
+            return "unknown", completed.stderr.strip()[-200:]
+
+    def wait(self, flower_run_id: int) -> dict[str, Any]:
         """Follow the run in SQL until it ends; report progress; fail fast if a process dies.
 
         A database that does not answer for a while is tolerated (the ServerApp buffers its
-        writes); only the processes' health can end the wait early.
+        writes). Flower's own view of the run is checked every FLOWER_CHECK_S: a ServerApp that
+        ended without recording its end in SQL (it crashed before it could, or the database was
+        gone) fails the run instead of leaving it, and this command, waiting forever.
         """
         engine = make_engine(self.options.db_url)
         reported = 0
+        next_flower_check = time.monotonic() + FLOWER_CHECK_S
+        flower_ended_at: float | None = None
         try:
             while True:
                 for managed in self.processes.processes:
                     if managed.process.poll() is not None:
                         raise RunFailed(f"{managed.name} exited unexpectedly (code {managed.process.returncode}); see {managed.log_path}")
+                if time.monotonic() >= next_flower_check:
+                    next_flower_check = time.monotonic() + FLOWER_CHECK_S
+                    status, details = self.flower_status(flower_run_id)
+                    if status.startswith("finished") and flower_ended_at is None:  # e.g. "finished:failed"
+                        flower_ended_at = time.monotonic()
+                    if flower_ended_at is not None and time.monotonic() - flower_ended_at > FLOWER_END_GRACE_S:
+                        raise RunFailed(f"the ServerApp ended ({status}: {details}) without recording the end of run "
+                                        f"{self.run_id}; see {self.run_dir.logs / 'superlink.log'}")
                 try:
                     run = get_run(engine, self.run_id)
                     rounds = list_rounds(engine, self.run_id)
@@ -215,32 +256,43 @@ class LocalRun:
     # --------------------------------------------------------------- driver
     def execute(self) -> LocalRunResult:
         """Run the experiment to its end; always stop every process; never leave the run 'running'."""
-        self.prepare()
-        outcome_status, error = "failed", "run did not finish"
+        prepared = False
         try:
+            self.prepare()
+            prepared = True
             self.start_trainers()
             if self.options.engine == "simulation":
                 summary = self._simulate()
             else:
                 self.start_flower()
                 flower_run_id = self.submit()
-                summary = self.wait()
+                summary = self.wait(flower_run_id)
                 summary.setdefault("flower_run_id", str(flower_run_id))
-            outcome_status = "finished"
             return LocalRunResult(self.run_id, summary, self.run_dir.path, dict(self.trainer_pids), self.processes.pids())
         except KeyboardInterrupt:
-            outcome_status, error = "interrupted", "interrupted by the operator (Ctrl-C)"
+            if prepared:  # recorded before the teardown, so the ServerApp's own view cannot overwrite it
+                self._mark_ended("interrupted", "interrupted by the operator (Ctrl-C)")
             raise
         except Exception as err:
-            error = f"{type(err).__name__}: {err}".splitlines()[0]
+            if prepared:
+                self._mark_ended("failed", f"{type(err).__name__}: {err}".splitlines()[0])
             raise
         finally:
+            self.teardown()
+
+    def teardown(self) -> None:
+        """Stop every process of the run, including what Flower started detached; close the links."""
+        previous = {sig: signal.signal(sig, signal.SIG_IGN) for sig in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)} \
+            if threading.current_thread() is threading.main_thread() else {}
+        try:
             self.processes.stop_all()
+            kill_processes_with_env(RUN_MARKER_ENV, str(self.run_dir.path))
             for relay in self.relays:
                 relay.close()
             self.run_dir.remove_sockets()
-            if outcome_status != "finished":
-                self._mark_ended(outcome_status, error)
+        finally:
+            for sig, handler in previous.items():
+                signal.signal(sig, handler)
 
     def _simulate(self) -> dict[str, Any]:
         from flwr.simulation import run_simulation
@@ -248,12 +300,15 @@ class LocalRun:
         from crossdc.clients.client_app import app as client_app
         from crossdc.platform.server_app import make_server_app
 
-        run_simulation(
-            server_app=make_server_app(self.run_dir),
-            client_app=client_app,
-            num_supernodes=len(self.config.datacenters),
-            backend_config={"client_resources": {"num_cpus": 1, "num_gpus": 0.0}, "init_args": {"num_cpus": 2, "include_dashboard": False}},
-        )
+        try:
+            run_simulation(
+                server_app=make_server_app(self.run_dir),
+                client_app=client_app,
+                num_supernodes=len(self.config.datacenters),
+                backend_config={"client_resources": {"num_cpus": 1, "num_gpus": 0.0}, "init_args": {"num_cpus": 2, "include_dashboard": False}},
+            )
+        except SystemExit as exit_:  # Flower ends the process on some errors (e.g. missing simulation extras)
+            raise RunFailed(f"Flower's simulation engine exited with code {exit_.code}; see the log above") from None
         engine = make_engine(self.options.db_url)
         try:
             run = get_run(engine, self.run_id)

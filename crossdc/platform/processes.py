@@ -8,6 +8,7 @@ start order, SIGTERM first and SIGKILL after a grace period, and reaps them.
 
 from __future__ import annotations
 
+import ctypes
 import os
 import signal
 import socket
@@ -16,6 +17,12 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 from typing import IO
+
+_PR_SET_PDEATHSIG = 1
+try:  # loaded once here: a forked child must not call the dynamic loader
+    _LIBC: ctypes.CDLL | None = ctypes.CDLL("libc.so.6", use_errno=True)
+except OSError:
+    _LIBC = None
 
 
 class PortInUse(RuntimeError):
@@ -72,7 +79,7 @@ class ProcessGroup:
         log_file = open(log_path, "ab")
         process = subprocess.Popen(
             command, stdout=log_file, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
-            env=env, cwd=cwd, start_new_session=True,
+            env=env, cwd=cwd, start_new_session=True, preexec_fn=_die_with_parent,
         )
         managed = ManagedProcess(name, process, log_path, log_file)
         self.processes.append(managed)
@@ -100,6 +107,56 @@ class ProcessGroup:
                 pass
             managed.log_file.close()
         self.processes.clear()
+
+
+def _die_with_parent() -> None:
+    """In the child, before exec: ask the kernel for SIGTERM when the starting process dies (even by SIGKILL)."""
+    if _LIBC is not None:  # elsewhere than Linux the orchestrator's own clean-up still applies
+        _LIBC.prctl(_PR_SET_PDEATHSIG, signal.SIGTERM)
+
+
+def processes_with_env(name: str, value: str) -> list[int]:
+    """Live processes whose environment has name=value (finds what Flower spawned detached, e.g. its SuperExec)."""
+    wanted = f"{name}={value}".encode()
+    found = []
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit() or int(entry.name) == os.getpid():
+            continue
+        try:
+            if wanted in (entry / "environ").read_bytes().split(b"\0"):
+                found.append(int(entry.name))
+        except OSError:
+            continue
+    return found
+
+
+def kill_processes_with_env(name: str, value: str, grace_s: float = 5.0) -> list[int]:
+    """SIGTERM, then SIGKILL after `grace_s`, every process whose environment has name=value; returns their pids."""
+    pids = processes_with_env(name, value)
+    for pid in pids:
+        _signal_pid(pid, signal.SIGTERM)
+    deadline = time.monotonic() + grace_s
+    while time.monotonic() < deadline and any(_running(pid) for pid in pids):
+        time.sleep(0.1)
+    for pid in pids:
+        if _running(pid):
+            _signal_pid(pid, signal.SIGKILL)
+    return pids
+
+
+def _running(pid: int) -> bool:
+    try:
+        state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[-1].split()[0]
+    except OSError:
+        return False
+    return state not in ("Z", "X")
+
+
+def _signal_pid(pid: int, sig: signal.Signals) -> None:
+    try:
+        os.kill(pid, sig)
+    except (ProcessLookupError, PermissionError):
+        pass
 
 
 def _signal_group(process: subprocess.Popen[bytes], sig: signal.Signals) -> None:

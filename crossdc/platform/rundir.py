@@ -73,7 +73,9 @@ class RunDir:
         for folder in (self.path, self.state_root, self.logs, self.path / "trainers"):
             folder.mkdir(parents=True, exist_ok=True)
         self.short_socket_dir.mkdir(mode=0o700, exist_ok=True)
-        self.settings_file.write_text(json.dumps(settings, indent=1, sort_keys=True))
+        fd = os.open(self.settings_file, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)  # it holds the database URL
+        with os.fdopen(fd, "w") as handle:
+            handle.write(json.dumps(settings, indent=1, sort_keys=True))
         fd = os.open(self.authkey_file, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
         with os.fdopen(fd, "wb") as handle:
             handle.write(secrets.token_bytes(32))
