@@ -250,6 +250,83 @@ def codecs_list(as_json: bool = typer.Option(False, "--json")) -> None:
             typer.echo(f"{row['name']:<12} {row['class']}")
 
 
+@app.command()
+@_guard
+def plan(
+    params: float = typer.Option(..., "--params", help="Model parameters, e.g. 1e9."),
+    datacenters: int = typer.Option(..., "--datacenters", help="Number of datacenters N."),
+    step_time: float = typer.Option(..., "--step-time", help="Seconds per local optimizer step (one datacenter, all its GPUs)."),
+    tau: int = typer.Option(..., "--tau", help="Local steps per round."),
+    link: str | None = typer.Option(None, "--link", help="Link profile: metro, continental, transoceanic, constrained."),
+    bandwidth_mbps: float | None = typer.Option(None, "--bandwidth-mbps", help="Link bandwidth (Mbps); overrides the profile's."),
+    rtt_ms: float | None = typer.Option(None, "--rtt-ms", help="Link round-trip time (ms); overrides the profile's."),
+    compression: float = typer.Option(1.0, "--compression", help="Uplink compression ratio (raw fp32 bytes / bytes sent)."),
+    downlink_compression: float = typer.Option(1.0, "--downlink-compression", help="Downlink compression ratio."),
+    round_trips: int | None = typer.Option(None, "--round-trips", help="Protocol round trips per round (default: Flower 1.42's count for these payloads)."),
+    tensors: int = typer.Option(1, "--tensors", help="Tensors per payload (only to count Flower's objects; 1 = fewest)."),
+    coordinator_bandwidth_mbps: float | None = typer.Option(None, "--coordinator-bandwidth-mbps", help="The coordinator's link, shared by the N transfers of each direction."),
+    target_ratio: float = typer.Option(0.1, "--target-ratio", help="Comm/comp ratio to reach."),
+    as_json: bool = typer.Option(False, "--json", help="Print one JSON object."),
+) -> None:
+    """The cost model: time per round, comm/comp and utilisation, and the tau or compression that bring comm/comp under a target."""
+    from dataclasses import asdict
+
+    from crossdc.platform import cost_model as cm
+
+    try:
+        spec = cm.resolve_link(link, bandwidth_mbps, rtt_ms)
+        star = cm.StarPlan(params=params, datacenters=cm.uniform_datacenters(datacenters, spec), step_time_s=step_time,
+                           tau=tau, compression_up=compression, compression_down=downlink_compression,
+                           round_trips_per_round=round_trips, tensors=tensors,
+                           coordinator_bandwidth_mbps=coordinator_bandwidth_mbps)
+        sync = cm.sync_dp_step(params, datacenters, spec, step_time)
+        estimate = cm.star_round(star)
+        tau_needed = cm.tau_for_ratio(star, target_ratio)
+        compression_both = cm.compression_for_ratio(star, target_ratio, "both")
+        compression_up = cm.compression_for_ratio(star, target_ratio, "up")
+    except cm.CostModelError as err:
+        fail(str(err))
+    one = estimate.datacenters[0]
+    if as_json:
+        round_fields = {k: v for k, v in asdict(estimate).items() if k != "datacenters"}
+        round_fields.update(transfer_down_s=one.transfer_down_s, transfer_up_s=one.transfer_up_s, latency_s=one.latency_s)
+        typer.echo(json.dumps({
+            "inputs": {"params": params, "datacenters": datacenters, "link": asdict(spec), "step_time_s": step_time,
+                       "tau": tau, "compression_up": compression, "compression_down": downlink_compression,
+                       "round_trips_per_round": round_trips, "tensors": tensors,
+                       "coordinator_bandwidth_mbps": coordinator_bandwidth_mbps, "target_ratio": target_ratio},
+            "sync_dp": asdict(sync),
+            "sync_dp_tau_steps_s": tau * sync.step_s,
+            "crossdc": round_fields,
+            "tau_for_target": tau_needed,
+            "compression_for_target": compression_both,
+            "uplink_compression_for_target": compression_up,
+        }))
+        return
+
+    def gb(n: float) -> str:
+        return f"{n / 1e9:.3g} GB" if n >= 1e8 else f"{n / 1e6:.3g} MB"
+
+    def secs(t: float) -> str:
+        return f"{t:,.0f} s" if t >= 1000 else f"{t:.3g} s"
+
+    typer.echo(f"{params:.3g} parameters ({gb(4 * params)} fp32), {datacenters} datacenters, link {spec.name} "
+               f"({spec.bandwidth_mbps:g} Mbps, {spec.rtt_ms:g} ms RTT), step {step_time:g} s, tau {tau}")
+    typer.echo(f"{'':<30}{'compute':>10}{'comm':>10}{'comm/comp':>11}{'utilisation':>13}")
+    typer.echo(f"{'sync data parallel, per step':<30}{secs(sync.compute_s):>10}{secs(sync.comm_s):>10}"
+               f"{sync.comm_comp_ratio:>11.3g}{100 * sync.utilisation:>12.1f}%")
+    typer.echo(f"{'crossdc, per round':<30}{secs(estimate.compute_s):>10}{secs(estimate.comm_s):>10}"
+               f"{estimate.comm_comp_ratio:>11.3g}{100 * estimate.utilisation:>12.1f}%")
+    typer.echo(f"crossdc round {secs(estimate.round_s)} = compute {secs(estimate.compute_s)} + down {gb(estimate.bytes_down)} "
+               f"({secs(one.transfer_down_s)}) + up {gb(estimate.bytes_up)} ({secs(one.transfer_up_s)}) + "
+               f"{estimate.round_trips} round trips ({secs(one.latency_s)})")
+    typer.echo(f"the same {tau} steps in sync data parallel: {secs(tau * sync.step_s)}")
+    typer.echo(f"tau for comm/comp <= {target_ratio:g} at this compression: {tau_needed}")
+    both = "impossible (latency alone exceeds the target)" if compression_both is None else f"{compression_both:.4g}x"
+    up = "impossible (the downlink and latency alone exceed the target)" if compression_up is None else f"{compression_up:.4g}x"
+    typer.echo(f"compression for comm/comp <= {target_ratio:g} at tau {tau}: {both} both ways; uplink only: {up}")
+
+
 def main() -> None:
     app()
 

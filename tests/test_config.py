@@ -337,8 +337,6 @@ def test_min_replies_more_than_datacenters_is_rejected() -> None:
         ("security.robust_aggregation", "trimmed_mean", "security.robust_aggregation"),
         ("security.norm_rejection_factor", 3, "security.norm_rejection_factor"),
         ("run.deadline", {"floor_s": 30, "ceiling_s": 3600, "k_mad": 4}, "run.deadline"),
-        ("datacenters.0.link", {"bandwidth_mbps": 100, "rtt_ms": 100}, "datacenters[0].link"),
-        ("datacenters.0.link", "transoceanic", "datacenters[0].link"),
         ("datacenters.0.workers", 2, "datacenters[0].workers"),
         ("datacenters.0.speed", 0.5, "datacenters[0].speed"),
         ("datacenters.1.speed", 2, "datacenters[1].speed"),
@@ -348,6 +346,31 @@ def test_not_implemented_yet(path: str, value: Any, key: str) -> None:
     message = config_error(with_changes(path, value))
     assert f"'{key}'" in message
     assert "not implemented yet" in message
+
+
+def test_links_by_profile_numbers_or_both() -> None:
+    by_name = parse_config(with_changes("datacenters.0.link", "transoceanic")).datacenters[0].link
+    assert (by_name.name, by_name.bandwidth_mbps, by_name.rtt_ms, by_name.jitter_ms) == ("transoceanic", 100.0, 150.0, 0.0)
+    explicit = parse_config(with_changes("datacenters.0.link", {"bandwidth_mbps": 50, "rtt_ms": 100, "jitter_ms": 5})).datacenters[0].link
+    assert (explicit.name, explicit.bandwidth_mbps, explicit.rtt_ms, explicit.jitter_ms) == ("custom", 50.0, 100.0, 5.0)
+    tuned = parse_config(with_changes("datacenters.0.link", {"profile": "continental", "jitter_ms": 3})).datacenters[0].link
+    assert (tuned.name, tuned.bandwidth_mbps, tuned.rtt_ms, tuned.jitter_ms) == ("continental", 1000.0, 40.0, 3.0)
+    assert "jitter_ms" in config_error(with_changes("datacenters.0.link", {"bandwidth_mbps": 50, "rtt_ms": 1, "jitter_ms": -1}))
+    assert "missing key 'datacenters[0].link.rtt_ms'" in config_error(with_changes("datacenters.0.link", {"bandwidth_mbps": 50}))
+
+
+def test_link_faults() -> None:
+    doc = minimal()
+    name = doc["datacenters"][0]["name"]
+    doc["link_faults"] = [{"datacenter": name, "after_round": 1, "cut_s": 5}]
+    fault = parse_config(doc).link_faults[0]
+    assert (fault.datacenter, fault.after_round, fault.kind, fault.cut_s) == (name, 1, "cut", 5.0)
+    doc["link_faults"] = [{"datacenter": "nowhere", "after_round": 1, "cut_s": 5}]
+    assert "'link_faults[0].datacenter'" in config_error(doc)
+    doc["link_faults"] = [{"datacenter": name, "after_round": 1}]
+    assert "'link_faults[0].cut_s' must be > 0" in config_error(doc)
+    doc["link_faults"] = [{"datacenter": name, "after_round": 1, "kind": "flood"}]
+    assert "'cut' or 'reset'" in config_error(doc)
 
 
 def test_bad_link_is_reported_before_not_implemented() -> None:

@@ -175,3 +175,83 @@ def test_simulation_engine_runs_the_same_apps(tmp_path: Path) -> None:
     assert all(r["comm_s"] is None for r in dc_rounds)  # no link under simulation: not measured, not invented
     assert rounds[-1]["val_loss"] < rounds[0]["val_loss"]
     assert [pid for pid in result.child_pids if _alive(pid)] == []
+
+
+WAN_CONFIG = """
+[run]
+name = "wan-fault"
+rounds = 4
+seed = 0
+min_replies = 1
+round_timeout_s = 15
+
+[workload]
+dataset = "synthetic"
+model = "linear"
+partition = { kind = "iid" }
+batch_size = 32
+optimizer = "adamw"
+lr = 0.01
+
+[strategy]
+name = "fedavg"
+tau = 4
+
+[[datacenters]]
+name = "us-east"
+link = "transoceanic"
+
+[[datacenters]]
+name = "eu-west"
+link = "transoceanic"
+
+[[link_faults]]
+datacenter = "eu-west"
+after_round = 1
+cut_s = 20
+"""
+
+
+@pytest.fixture(scope="module")
+def wan_fault_run(tmp_path_factory: pytest.TempPathFactory) -> dict:
+    """Two datacenters on emulated transoceanic links (100 Mbps, 150 ms); eu-west's link is cut for 20 s after round 1."""
+    tmp = tmp_path_factory.mktemp("wan")
+    (tmp / "wan.toml").write_text(WAN_CONFIG)
+    db_url = f"sqlite:///{tmp / 'wan.db'}"
+    result = run_local(load_config(tmp / "wan.toml"), LocalRunOptions(db_url=db_url, superlink_port=free_port(), runs_root=tmp / "runs"))
+    engine = make_engine(db_url)
+    try:
+        return {"result": result, "run": get_run(engine, result.run_id), "dc_rounds": list_datacenter_rounds(engine, result.run_id),
+                "events": list_events(engine, result.run_id)}
+    finally:
+        engine.dispose()
+
+
+@pytest.mark.deployment
+@pytest.mark.timeout(300)
+def test_a_150_ms_link_shows_in_comm_s(wan_fault_run: dict, deployment_run: dict) -> None:
+    wan = [r for r in wan_fault_run["dc_rounds"] if r["status"] == "ok"]
+    loopback = [r for r in deployment_run["dc_rounds"] if r["status"] == "ok"]
+    assert wan and loopback
+    # the round's message exchanges cross the link several times; each crossing costs at least RTT/2
+    assert all(r["comm_source"] == "relay" and r["comm_s"] >= 0.15 for r in wan)
+    assert max(r["comm_s"] for r in loopback) < 0.5 * min(r["comm_s"] for r in wan)
+    # the link's own byte counts cover the payloads (plus HTTP framing)
+    assert all(r["link_bytes_up"] >= r["bytes_up"] and r["link_bytes_down"] >= r["bytes_down"] for r in wan)
+
+
+@pytest.mark.deployment
+@pytest.mark.timeout(300)
+def test_a_cut_link_misses_rounds_and_rejoins(wan_fault_run: dict) -> None:
+    assert wan_fault_run["run"]["status"] == "finished"
+    events = wan_fault_run["events"]
+    cut = next(e for e in events if e["kind"] == "link-cut")
+    assert cut["datacenter"] == "eu-west" and cut["round"] >= 1
+    eu = sorted((r for r in wan_fault_run["dc_rounds"] if r["datacenter"] == "eu-west"), key=lambda r: r["round"])
+    missed = [r for r in eu if r["round"] > cut["round"] and r["status"] == "timeout"]
+    assert missed, eu
+    assert any(e["kind"] == "timeout" and e["datacenter"] == "eu-west" for e in events)
+    rejoined = [r for r in eu if r["round"] > missed[0]["round"] and r["status"] == "ok"]
+    assert rejoined, f"eu-west never came back after the cut: {[(r['round'], r['status']) for r in eu]}"
+    us = [r for r in wan_fault_run["dc_rounds"] if r["datacenter"] == "us-east"]
+    assert all(r["status"] == "ok" for r in us)

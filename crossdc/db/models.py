@@ -133,8 +133,11 @@ class DatacenterRound(Base):
     comm_s: Mapped[float | None] = mapped_column(Float)
     overhead_s: Mapped[float | None] = mapped_column(Float)
     round_s: Mapped[float | None] = mapped_column(Float)
-    # How comm_s was obtained, e.g. "message-timestamps" or "relay".
+    # How comm_s was obtained, e.g. "relay" (measured at the datacenter's link relay).
     comm_source: Mapped[str | None] = mapped_column(Text)
+    # Bytes that crossed the datacenter's link during the round, framing and polls included (revision 0002).
+    link_bytes_up: Mapped[int | None] = mapped_column(BigInteger)
+    link_bytes_down: Mapped[int | None] = mapped_column(BigInteger)
     train_loss: Mapped[float | None] = mapped_column(Float)
     num_examples: Mapped[int | None] = mapped_column(BigInteger)
     drift_l2: Mapped[float | None] = mapped_column(Float)

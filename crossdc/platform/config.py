@@ -78,6 +78,17 @@ class DatacenterSection:
 
 
 @dataclass(frozen=True)
+class LinkFault:
+    """A fault injected on a datacenter's link once `after_round` rounds are logged: cut it for `cut_s`
+    seconds (kind "cut"), or reset its open connections (kind "reset")."""
+
+    datacenter: str
+    after_round: int
+    kind: str = "cut"
+    cut_s: float = 0.0
+
+
+@dataclass(frozen=True)
 class ExperimentConfig:
     """A whole experiment, validated. `raw` keeps the parsed TOML for the run log."""
 
@@ -85,6 +96,7 @@ class ExperimentConfig:
     workload: WorkloadSection
     strategy: StrategySection
     datacenters: tuple[DatacenterSection, ...]
+    link_faults: tuple[LinkFault, ...] = ()
     raw: dict[str, Any] = field(default_factory=dict, compare=False)
 
     @property
@@ -231,13 +243,17 @@ def _parse_link(value: Any, where: str) -> LinkSpec | None:
             raise ConfigError(f"unknown link profile '{value}' in '{where}'; known: {', '.join(sorted(LINK_PROFILES))}")
         return LINK_PROFILES[value]
     if not isinstance(value, dict):
-        raise ConfigError(f"'{where}' must be a profile name or a table {{ bandwidth_mbps, rtt_ms }}")
-    _check_keys(value, {"bandwidth_mbps", "rtt_ms"}, where + ".")
-    bandwidth = _typed(value, "bandwidth_mbps", float, where + ".")
-    rtt = _typed(value, "rtt_ms", float, where + ".")
+        raise ConfigError(f"'{where}' must be a profile name or a table {{ bandwidth_mbps, rtt_ms, jitter_ms }}")
+    _check_keys(value, {"profile", "bandwidth_mbps", "rtt_ms", "jitter_ms"}, where + ".")
+    base = _parse_link(value["profile"], where + ".profile") if "profile" in value else None
+    bandwidth = _typed(value, "bandwidth_mbps", float, where + ".", base.bandwidth_mbps if base else dataclasses.MISSING)
+    rtt = _typed(value, "rtt_ms", float, where + ".", base.rtt_ms if base else dataclasses.MISSING)
+    jitter = _typed(value, "jitter_ms", float, where + ".", base.jitter_ms if base else 0.0)
     _positive(bandwidth, where + ".bandwidth_mbps")
     _positive(rtt, where + ".rtt_ms", allow_zero=True)
-    return LinkSpec(name="custom", bandwidth_mbps=bandwidth, rtt_ms=rtt)
+    _positive(jitter, where + ".jitter_ms", allow_zero=True)
+    name = base.name if base and (bandwidth, rtt) == (base.bandwidth_mbps, base.rtt_ms) else "custom"
+    return LinkSpec(name=name, bandwidth_mbps=bandwidth, rtt_ms=rtt, jitter_ms=jitter)
 
 
 def _parse_datacenters(doc: dict[str, Any]) -> tuple[DatacenterSection, ...]:
@@ -266,10 +282,32 @@ def _parse_datacenters(doc: dict[str, Any]) -> tuple[DatacenterSection, ...]:
         if speed != 1.0:
             raise ConfigError(f"'{where}speed' is not implemented yet")
         link = _parse_link(t.get("link"), where + "link")
-        if link is not None:
-            raise ConfigError(f"'{where}link': WAN link emulation is not implemented yet (runs use loopback)")
         result.append(DatacenterSection(name=name, workers=workers, link=link, speed=speed, region=_typed(t, "region", str, where, None)))
     return tuple(result)
+
+
+def _parse_link_faults(doc: dict[str, Any], datacenters: tuple[DatacenterSection, ...]) -> tuple[LinkFault, ...]:
+    items = doc.get("link_faults", [])
+    if not isinstance(items, list) or not all(isinstance(i, dict) for i in items):
+        raise ConfigError("'link_faults' must be an array of tables ([[link_faults]])")
+    names = [dc.name for dc in datacenters]
+    faults = []
+    for index, t in enumerate(items):
+        where = f"link_faults[{index}]."
+        _check_keys(t, {"datacenter", "after_round", "kind", "cut_s"}, where)
+        name = _typed(t, "datacenter", str, where)
+        if name not in names:
+            raise ConfigError(f"'{where}datacenter' = {name!r} is not a configured datacenter ({', '.join(names)})")
+        after = _typed(t, "after_round", int, where)
+        _positive(after, where + "after_round", allow_zero=True)
+        kind = _typed(t, "kind", str, where, "cut")
+        if kind not in ("cut", "reset"):
+            raise ConfigError(f"'{where}kind' must be 'cut' or 'reset', got {kind!r}")
+        cut_s = _typed(t, "cut_s", float, where, 0.0)
+        if kind == "cut":
+            _positive(cut_s, where + "cut_s")
+        faults.append(LinkFault(datacenter=name, after_round=after, kind=kind, cut_s=cut_s))
+    return tuple(faults)
 
 
 def _parse_not_yet(doc: dict[str, Any]) -> None:
@@ -285,7 +323,7 @@ def parse_config(doc: dict[str, Any]) -> ExperimentConfig:
     """Validate a parsed TOML document and return the typed config."""
     if not isinstance(doc, dict):
         raise ConfigError("a config must be a TOML document of tables")
-    _check_keys(doc, {"run", "workload", "strategy", "datacenters", *_NOT_YET}, "")
+    _check_keys(doc, {"run", "workload", "strategy", "datacenters", "link_faults", *_NOT_YET}, "")
     _parse_not_yet(doc)
     run = _parse_run(doc)
     datacenters = _parse_datacenters(doc)
@@ -296,6 +334,7 @@ def parse_config(doc: dict[str, Any]) -> ExperimentConfig:
         workload=_parse_workload(doc),
         strategy=_parse_strategy(doc),
         datacenters=datacenters,
+        link_faults=_parse_link_faults(doc, datacenters),
         raw=doc,
     )
     return config

@@ -35,7 +35,9 @@ def run_demo(config_path: Path, quick: bool, db: str | None, port: int, runs_dir
     names = ", ".join(config.datacenter_names)
     console.print(f"[bold]crossdc demo[/]: {len(config.datacenters)} datacenters ({names}), {config.workload.dataset} "
                   f"{config.workload.partition['kind']} partition, {config.strategy.name}, {config.run.rounds} rounds")
-    console.print(f"database: {safe_url(db_url)}   links: loopback through crossdc's measuring relay (no WAN emulation yet)")
+    links = sorted({dc.link.describe() if dc.link else "loopback (not emulated)" for dc in config.datacenters})
+    console.print(f"database: {safe_url(db_url)}")
+    console.print(f"WAN links, emulated by crossdc's link relay between each SuperNode and the SuperLink: {', '.join(links)}")
     console.print("dashboard: not built yet (see `crossdc serve`); the run log is in the database above")
     started = time.perf_counter()
     with Progress(TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
@@ -92,6 +94,6 @@ def _print_table(console: Console, config: Any, federated: dict[str, Any], basel
     comm = breakdown["comm_s"]
     comm_text = "not measured" if comm != comm else f"{comm:.3f}s"
     console.print(f"per datacenter and round (median): round {breakdown['round_s']:.2f}s = compute {breakdown['compute_s']:.2f}s"
-                  f" + communication {comm_text} (measured at the link relay)"
+                  f" + communication {comm_text} (measured at the link relay; ratio comm/comp {breakdown['comm_s'] / breakdown['compute_s']:.2f})"
                   f" + Flower/process overhead {breakdown['overhead_s']:.2f}s")
     console.print(f"demo wall time {wall_s:.0f}s")

@@ -1,9 +1,10 @@
 """The synchronous federated loop on Flower's Grid (the body of crossdc's ServerApp).
 
 Promises, per round: every datacenter gets the global weights and τ; the
-round closes as soon as `min_replies` (0 = all) datacenters have replied —
-the others are recorded as timed out — and fails the run if that many have
-not replied by the round timeout; every reply passes the update gate;
+round closes when every datacenter has replied, or at the round's deadline
+(`run.round_timeout_s`) if at least `min_replies` (0 = all) have — the others
+are recorded as timed out, with an event — and otherwise fails the run; every
+reply passes the update gate;
 accepted updates are aggregated by the strategy; the global model is
 evaluated on the one shared validation set; the round and one row per
 datacenter go to the run log. Replies are pulled as they arrive (polling every
@@ -22,6 +23,7 @@ from typing import Any
 import numpy as np
 import torch
 from flwr.app import ConfigRecord, Message, MessageType, RecordDict
+from flwr.common.constant import ErrorCode
 from flwr.serverapp import Grid
 
 from crossdc.clients import client_app as wire
@@ -30,7 +32,7 @@ from crossdc.compression.payload import ARRAYS_KEY, CONFIG_KEY, METRICS_KEY, fro
 from crossdc.db.errors import DatabaseUnavailable
 from crossdc.db.runlog import RunLog
 from crossdc.platform.config import ExperimentConfig, parse_config
-from crossdc.platform.link_relay import LedgerReader, time_in_flight
+from crossdc.platform.link_relay import LedgerReader, bytes_by_direction, payload_transfers, time_in_flight
 from crossdc.platform.experiment import build_strategy, build_workload, initial_model
 from crossdc.platform.rundir import RunDir
 from crossdc.platform.update_gate import rejection_reason
@@ -57,14 +59,13 @@ class Reply:
     received_at: float
 
 
-def collect_replies(grid: Grid, message_ids: list[str], timeout_s: float, enough: int | None = None) -> dict[str, Reply]:
-    """Pull replies as they arrive until `enough` (default: all) are in or the timeout passes; returns what came, by message id."""
+def collect_replies(grid: Grid, message_ids: list[str], timeout_s: float) -> dict[str, Reply]:
+    """Pull replies as they arrive until all are in or the timeout passes; returns what came, by message id."""
     pending = set(message_ids)
     replies: dict[str, Reply] = {}
     deadline = time.monotonic() + timeout_s
-    enough = len(message_ids) if enough is None else enough
     interval = POLL_INTERVAL_S
-    while pending and len(replies) < enough and time.monotonic() < deadline:
+    while pending and time.monotonic() < deadline:
         arrived = False
         for message in grid.pull_messages(list(pending)):
             reply_to = message.metadata.reply_to_message_id
@@ -113,11 +114,16 @@ def discover_datacenters(grid: Grid, config: ExperimentConfig, runlog: RunLog, r
     return mapping
 
 
-def _time_on_link(link: LedgerReader, start: float, end: float) -> tuple[float | None, str]:
-    """Seconds the datacenter's payloads spent on its link during [start, end], and how that was obtained."""
+def _link_measurements(link: LedgerReader, start: float, end: float) -> dict[str, Any]:
+    """What the datacenter's link carried for the round's messages during [start, end]: comm_s (seconds
+    the link was busy with them), how that was obtained, and their bytes in each direction (protocol
+    framing included; idle polls and heartbeats left out, see link_relay.payload_transfers)."""
     if not link.path.exists():
-        return None, "not measured (no link relay: simulation or external SuperNode)"
-    return time_in_flight(link.window(start, end)), "relay"
+        return {"comm_s": None, "comm_source": "not measured (no link relay: simulation or external SuperNode)"}
+    transfers = payload_transfers(link.window(start, end))
+    moved = bytes_by_direction(transfers)
+    return {"comm_s": time_in_flight(transfers), "comm_source": "relay",
+            "link_bytes_up": moved["up"], "link_bytes_down": moved["down"]}
 
 
 def _evaluate(model: torch.nn.Module, workload: Any, weights: dict[str, np.ndarray]) -> tuple[float, float, float]:
@@ -160,16 +166,21 @@ class Judged:
     row: dict[str, Any]
     update: ClientUpdate | None = None
     trainer_pid: int | None = None
+    replied: bool = True  # False: nothing came from the datacenter (timeout, expired message)
 
 
 def judge_reply(reply: Reply | None, weights: dict[str, np.ndarray], tau: int, batch_size: int, pushed_at: float,
                 timeout_reason: str) -> Judged:
     """Pass one reply through the gate: a row with status ok, failed, timeout or rejected (with its reason)."""
     if reply is None:
-        return Judged({"status": "timeout", "reason": timeout_reason})
+        return Judged({"status": "timeout", "reason": timeout_reason}, replied=False)
     row: dict[str, Any] = {"round_s": reply.received_at - pushed_at}
     if reply.message.has_error():
-        return Judged({**row, "status": "failed", "reason": str(reply.message.error.reason).splitlines()[0][:500]})
+        error = reply.message.error
+        if error.code in (ErrorCode.MESSAGE_UNAVAILABLE, ErrorCode.REPLY_MESSAGE_UNAVAILABLE):
+            # the SuperLink's answer for a message that expired undelivered (or whose reply did): no reply came
+            return Judged({"status": "timeout", "reason": f"{timeout_reason} (message expired)"}, replied=False)
+        return Judged({**row, "status": "failed", "reason": str(error.reason).splitlines()[0][:500]})
     content = reply.message.content
     row["bytes_up"] = payload_bytes(content)
     try:
@@ -221,14 +232,15 @@ def _run(grid: Grid, run_dir: RunDir, run_id: str, config: ExperimentConfig, run
             cfg = {wire.ROUND: server_round, wire.TAU: tau, wire.RUN_ID: run_id, wire.RUN_DIR: str(run_dir.path), wire.DATACENTER: name}
             cfg.update(strategy.client_config(server_round))
             content = RecordDict({ARRAYS_KEY: global_record, CONFIG_KEY: ConfigRecord(cfg)})
-            messages[name] = Message(content, dst_node_id=node, message_type=MessageType.TRAIN)
+            # a message not delivered by the round's deadline expires: a datacenter that comes back late
+            # gets the next round's model instead of training on a stale one
+            messages[name] = Message(content, dst_node_id=node, message_type=MessageType.TRAIN, ttl=config.run.round_timeout_s)
             bytes_down[name] = payload_bytes(content)
         pushed_at = time.time()
         ids = list(grid.push_messages(list(messages.values())))
         id_of = dict(zip(messages, ids))
-        replies = collect_replies(grid, ids, config.run.round_timeout_s, enough=needed)
-        timeout_reason = (f"round closed after {needed} replies (run.min_replies)" if len(replies) >= needed
-                          else f"no reply within {config.run.round_timeout_s:.0f}s")
+        replies = collect_replies(grid, ids, config.run.round_timeout_s)
+        timeout_reason = f"no reply within the round's {config.run.round_timeout_s:g}s"
         judged: dict[str, Judged] = {}
         for name in nodes:
             judged[name] = outcome = judge_reply(replies.get(id_of[name]), weights, tau, config.workload.batch_size,
@@ -246,7 +258,8 @@ def _run(grid: Grid, run_dir: RunDir, run_id: str, config: ExperimentConfig, run
                 trainer_pids[name].append(outcome.trainer_pid)
         accepted = [ClientUpdate(name, j.update.delta, j.update.num_examples, j.update.metrics)
                     for name, j in judged.items() if j.update is not None]
-        enough_replies = len(replies) >= needed
+        replied = sum(j.replied for j in judged.values())
+        enough_replies = replied >= needed
         if enough_replies and accepted:
             rounds_without_updates = 0
             mean_update = strategy.mean_update(accepted)
@@ -266,7 +279,7 @@ def _run(grid: Grid, run_dir: RunDir, run_id: str, config: ExperimentConfig, run
         for name, outcome in judged.items():
             row = outcome.row
             if "round_s" in row:
-                row["comm_s"], row["comm_source"] = _time_on_link(links[name], pushed_at, pushed_at + row["round_s"])
+                row.update(_link_measurements(links[name], pushed_at, pushed_at + row["round_s"]))
             if row["status"] == "ok":
                 row["overhead_s"] = row["round_s"] - row["compute_s"] - (row["comm_s"] or 0.0)
             runlog.log_datacenter_round(run_id=run_id, round=server_round, datacenter=name, **row)
@@ -284,7 +297,7 @@ def _run(grid: Grid, run_dir: RunDir, run_id: str, config: ExperimentConfig, run
         )
         runlog.heartbeat(run_id=run_id)
         if not enough_replies:
-            raise FederationError(f"round {server_round}: {len(replies)} replies within {config.run.round_timeout_s:.0f}s, "
+            raise FederationError(f"round {server_round}: {replied} replies within {config.run.round_timeout_s:g}s, "
                                   f"{needed} needed (run.min_replies)")
         if rounds_without_updates >= MAX_ROUNDS_WITHOUT_UPDATES:
             raise FederationError(f"{rounds_without_updates} rounds in a row without one usable update; see the events")

@@ -1,7 +1,7 @@
 """WAN link descriptions: named profiles and explicit (bandwidth, RTT) pairs.
 
-The emulator that shapes traffic to these links is separate work; this module
-only names them so configs, docs and the planner share one vocabulary.
+The link relay (crossdc/platform/link_relay.py) emulates them; the planner
+(crossdc plan) models them: one vocabulary for configs, docs, emulator and planner.
 """
 
 from __future__ import annotations
@@ -11,11 +11,16 @@ from dataclasses import dataclass
 
 @dataclass(frozen=True)
 class LinkSpec:
-    """A symmetric WAN link: bandwidth in each direction and round-trip time."""
+    """A symmetric WAN link: bandwidth in each direction, round-trip time, and jitter of the one-way delay."""
 
     name: str
     bandwidth_mbps: float
     rtt_ms: float
+    jitter_ms: float = 0.0
+
+    def describe(self) -> str:
+        jitter = f" ± {self.jitter_ms:g} ms jitter" if self.jitter_ms else ""
+        return f"{self.name} ({self.bandwidth_mbps:g} Mbps, {self.rtt_ms:g} ms RTT{jitter})"
 
 
 LINK_PROFILES: dict[str, LinkSpec] = {

@@ -112,10 +112,14 @@ class LocalRun:
         self.run_dir = RunDir(Path(options.runs_root).resolve() / self.run_id)
         self.processes = ProcessGroup()
         self.trainer_pids: dict[str, int] = {}
-        self.relays: list[LinkRelay] = []
+        self.relays: dict[str, LinkRelay] = {}
+        self.faults_done: set[int] = set()
 
     # --------------------------------------------------------------- set-up
     def prepare(self) -> None:
+        if self.options.engine == "simulation" and (self.config.link_faults or any(dc.link for dc in self.config.datacenters)):
+            raise RunFailed("WAN links and link faults are emulated between SuperNodes and the SuperLink: "
+                            "use the deployment engine (remove the links to simulate)")
         if self.options.engine == "deployment":
             ensure_port_free(HOST, self.options.superlink_port)  # fail before anything starts; checked again at launch
         upgrade(self.options.db_url)
@@ -170,10 +174,11 @@ class LocalRun:
         time.sleep(0.5)
         if superlink.process.poll() is not None:  # something else answered on the port: never join another run's SuperLink
             raise RunFailed(f"the SuperLink exited at start-up (code {superlink.process.returncode}); see {superlink.log_path}")
-        for name in self.config.datacenter_names:
-            # each datacenter reaches the SuperLink through its own link, which measures what crosses it
-            relay = LinkRelay(HOST, port, self.run_dir.link_ledger(name)).start()
-            self.relays.append(relay)
+        for index, dc in enumerate(self.config.datacenters):
+            name = dc.name
+            # each datacenter reaches the SuperLink through its own link: emulated (if configured) and measured
+            relay = LinkRelay(HOST, port, self.run_dir.link_ledger(name), link=dc.link, seed=self.config.run.seed * 100 + index).start()
+            self.relays[name] = relay
             node_config = f'datacenter="{name}" trainer="{self.run_dir.trainer_socket(name)}"'
             self.processes.start(
                 f"supernode-{name}",
@@ -245,6 +250,7 @@ class LocalRun:
                 if self.options.progress and len(rounds) != reported:
                     reported = len(rounds)
                     self.options.progress(rounds)
+                self.inject_faults(len(rounds))
                 if run and run["status"] != "running":
                     if run["status"] != "finished":
                         raise RunFailed(f"run {self.run_id} {run['status']}: {run.get('error') or 'see the run log'}")
@@ -252,6 +258,26 @@ class LocalRun:
                 time.sleep(0.3)
         finally:
             engine.dispose()
+
+    def inject_faults(self, rounds_logged: int) -> None:
+        """Apply the config's link faults whose round has come (each once), and record them as events."""
+        due = [(i, f) for i, f in enumerate(self.config.link_faults) if i not in self.faults_done and rounds_logged >= f.after_round]
+        if not due:
+            return
+        with RunLog(self.options.db_url) as runlog:
+            for index, fault in due:
+                self.faults_done.add(index)
+                relay = self.relays[fault.datacenter]
+                if fault.kind == "cut":
+                    relay.cut(fault.cut_s)
+                    detail = {"seconds": fault.cut_s}
+                else:
+                    relay.reset_connections()
+                    detail = {}
+                log.warning("link fault: %s on %s after round %d", fault.kind, fault.datacenter, rounds_logged)
+                runlog.log_event(run_id=self.run_id, kind=f"link-{fault.kind}", round=rounds_logged,
+                                 datacenter=fault.datacenter, detail=detail)
+            runlog.flush(timeout=10)
 
     # --------------------------------------------------------------- driver
     def execute(self) -> LocalRunResult:
@@ -287,7 +313,7 @@ class LocalRun:
         try:
             self.processes.stop_all()
             kill_processes_with_env(RUN_MARKER_ENV, str(self.run_dir.path))
-            for relay in self.relays:
+            for relay in self.relays.values():
                 relay.close()
             self.run_dir.remove_sockets()
         finally:

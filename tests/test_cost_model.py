@@ -1,0 +1,269 @@
+"""The cost model (`crossdc plan`) on small cases computed by hand in each test."""
+
+from __future__ import annotations
+
+import json
+import math
+import shutil
+import subprocess
+import sys
+from dataclasses import replace
+from pathlib import Path
+
+import pytest
+
+from crossdc.platform.cost_model import (
+    FLOWER_CHUNK_BYTES,
+    CostModelError,
+    Datacenter,
+    StarPlan,
+    compression_for_ratio,
+    flower_objects_per_message,
+    flower_round_trips,
+    resolve_link,
+    ring_allreduce_time,
+    star_round,
+    sync_dp_step,
+    tau_for_ratio,
+    transfer_time,
+    uniform_datacenters,
+)
+from crossdc.platform.links import LINK_PROFILES, LinkSpec
+
+LINK_100M_100MS = LinkSpec("test", bandwidth_mbps=100.0, rtt_ms=100.0)
+
+
+def crossdc_executable() -> str:
+    candidate = Path(sys.executable).with_name("crossdc")
+    if candidate.exists():
+        return str(candidate)
+    found = shutil.which("crossdc")
+    assert found, "the crossdc console script is not installed"
+    return found
+
+
+# ----------------------------------------------------------------------------- sync data parallel
+
+
+def test_ring_allreduce_by_hand() -> None:
+    # N = 4, P = 1e6 fp32 -> S = 4e6 bytes; B = 100 Mbps = 12.5e6 bytes/s; RTT = 100 ms.
+    # bandwidth: 2(N-1)/N * S/B = 1.5 * 0.32 s = 0.48 s; latency: 2(N-1) * RTT/2 = 6 * 0.05 s = 0.30 s
+    assert ring_allreduce_time(4e6, 4, 100.0, 100.0) == pytest.approx(0.78, rel=1e-12)
+    assert ring_allreduce_time(4e6, 1, 100.0, 100.0) == 0.0  # one datacenter: nothing to exchange
+
+    step = sync_dp_step(1e6, 4, LINK_100M_100MS, step_time_s=0.5)
+    assert step.gradient_bytes == 4e6
+    assert step.bytes_sent_per_datacenter == pytest.approx(6e6)  # 2 * 3/4 * 4e6
+    assert step.bandwidth_s == pytest.approx(0.48)
+    assert step.latency_s == pytest.approx(0.30)
+    assert step.comm_s == pytest.approx(0.78)
+    assert step.comm_comp_ratio == pytest.approx(0.78 / 0.5)
+    assert step.utilisation == pytest.approx(0.5 / 1.28)
+
+
+# ----------------------------------------------------------------------------- crossdc's star
+
+
+def two_datacenter_plan(**overrides: object) -> StarPlan:
+    near = Datacenter("near", LinkSpec("near", bandwidth_mbps=1000.0, rtt_ms=10.0))
+    far = Datacenter("far", LinkSpec("far", bandwidth_mbps=100.0, rtt_ms=200.0))
+    fields: dict[str, object] = dict(params=1e6, datacenters=(near, far), step_time_s=0.5, tau=10,
+                                     round_trips_per_round=5, coordinator_s=0.5)
+    fields.update(overrides)
+    return StarPlan(**fields)  # type: ignore[arg-type]
+
+
+def test_star_round_two_links_by_hand() -> None:
+    # payload 4e6 bytes each way; compute 10 * 0.5 s = 5 s for both.
+    # near: 2 * 4e6*8/1e9 = 0.064 s + 5 * 0.010 s = 0.114 s
+    # far:  2 * 4e6*8/1e8 = 0.640 s + 5 * 0.200 s = 1.640 s   <- the slow link sets the round
+    est = star_round(two_datacenter_plan())
+    near, far = est.datacenters
+    assert near.comm_s == pytest.approx(0.114)
+    assert far.comm_s == pytest.approx(1.64)
+    assert far.transfer_down_s == pytest.approx(0.32) and far.transfer_up_s == pytest.approx(0.32)
+    assert far.latency_s == pytest.approx(1.0)
+    assert est.round_s == pytest.approx(5 + 1.64 + 0.5)
+    assert est.critical_datacenter == "far"
+    assert est.compute_s == pytest.approx(5.0)
+    assert est.comm_s == pytest.approx(1.64)
+    assert est.comm_comp_ratio == pytest.approx(1.64 / 5)
+    assert est.utilisation == pytest.approx(5 / 7.14)
+    assert est.bytes_up == est.bytes_down == est.bytes_up_raw == 4e6
+
+    # a slow datacenter on the fast link: compute 0.5*10/0.25 = 20 s, busy 20.114 s, now it sets the round
+    slow_near = Datacenter("near", LinkSpec("near", 1000.0, 10.0), speed=0.25)
+    est = star_round(two_datacenter_plan(datacenters=(slow_near, two_datacenter_plan().datacenters[1])))
+    assert est.critical_datacenter == "near"
+    assert est.round_s == pytest.approx(20.114 + 0.5)
+    assert est.comm_comp_ratio == pytest.approx(1.64 / 5)  # the worst ratio is still the far one's
+    assert est.utilisation == pytest.approx((20 + 5) / 2 / 20.614)
+
+
+def test_compression_scales_only_the_transfer_terms() -> None:
+    base = star_round(two_datacenter_plan())
+    both = star_round(two_datacenter_plan(compression_up=4.0, compression_down=4.0))
+    up_only = star_round(two_datacenter_plan(compression_up=4.0))
+    for b, c, u in zip(base.datacenters, both.datacenters, up_only.datacenters):
+        assert c.transfer_down_s == pytest.approx(b.transfer_down_s / 4)
+        assert c.transfer_up_s == pytest.approx(b.transfer_up_s / 4)
+        assert c.latency_s == b.latency_s and c.compute_s == b.compute_s
+        assert u.transfer_up_s == pytest.approx(b.transfer_up_s / 4)
+        assert u.transfer_down_s == b.transfer_down_s
+    assert both.bytes_up == both.bytes_down == 1e6
+    assert both.bytes_up_raw == 4e6
+    # far: 0.16 s of transfer + 1 s of latency
+    assert both.comm_s == pytest.approx(0.16 + 1.0)
+
+
+def test_coordinator_bandwidth_is_shared_by_the_datacenters() -> None:
+    # two datacenters on 1 Gbps links, a 1 Gbps coordinator: each direction takes 2 * 4e6*8/1e9 = 0.064 s
+    link = LinkSpec("x", 1000.0, 0.0)
+    plan = StarPlan(params=1e6, datacenters=uniform_datacenters(2, link), step_time_s=1.0, tau=1,
+                    round_trips_per_round=0, coordinator_bandwidth_mbps=1000.0)
+    est = star_round(plan)
+    assert est.datacenters[0].transfer_up_s == pytest.approx(0.064)
+    assert est.datacenters[0].transfer_down_s == pytest.approx(0.064)
+    assert star_round(replace(plan, coordinator_bandwidth_mbps=None)).comm_s == pytest.approx(0.064)
+
+
+def test_flower_round_trips_counted_from_the_protocol() -> None:
+    ten_mib = 2 * FLOWER_CHUNK_BYTES
+    # Message + RecordDict + 2 records + 1 Array + 2 chunks
+    assert flower_objects_per_message(ten_mib) == 7
+    # 4 tensors of 2.5 MiB: 4 Arrays + 4 chunks
+    assert flower_objects_per_message(ten_mib, tensors=4) == 12
+    assert flower_objects_per_message(ten_mib + 1) == 8  # a third chunk
+    # PullMessages + ConfirmMessageReceived + PushMessages, then ceil(7/2) pulls and ceil(6/2) pushes
+    assert flower_round_trips(ten_mib, 1.0) == 3 + 4 + 3
+    assert flower_round_trips(ten_mib, 1.0, first_message=True) == 3 + 4 + 3 + 2  # + GetRun, GetFab
+    # the derived default k follows the payloads, and compression lowers it
+    plan = two_datacenter_plan(round_trips_per_round=None, params=ten_mib / 4)
+    assert star_round(plan).round_trips == 3 + 4 + 4
+    assert star_round(replace(plan, compression_up=2.0, compression_down=2.0)).round_trips == 3 + 3 + 3
+
+
+# ----------------------------------------------------------------------------- what it takes
+
+
+def one_link_plan(**overrides: object) -> StarPlan:
+    # P = 1e6 on 100 Mbps / 100 ms with k = 4: comm = 2 * 0.32 s + 4 * 0.1 s = 1.04 s; step 0.3 s
+    fields: dict[str, object] = dict(params=1e6, datacenters=uniform_datacenters(3, LINK_100M_100MS),
+                                     step_time_s=0.3, tau=1, round_trips_per_round=4)
+    fields.update(overrides)
+    return StarPlan(**fields)  # type: ignore[arg-type]
+
+
+def test_tau_for_ratio_is_the_smallest() -> None:
+    plan = one_link_plan()
+    assert star_round(plan).comm_s == pytest.approx(1.04)
+    # comm / (tau * 0.3) <= 0.1  <=>  tau >= 1.04 / 0.03 = 34.67  ->  35
+    tau = tau_for_ratio(plan, 0.1)
+    assert tau == 35
+    assert star_round(replace(plan, tau=35)).comm_comp_ratio <= 0.1
+    assert star_round(replace(plan, tau=34)).comm_comp_ratio > 0.1
+    # a datacenter twice as fast computes τ steps in half the time, so it needs twice the τ: 1.04/0.015 = 69.3 -> 70
+    fast = Datacenter("fast", LINK_100M_100MS, speed=2.0)
+    assert tau_for_ratio(replace(plan, datacenters=(*plan.datacenters, fast)), 0.1) == 70
+    assert tau_for_ratio(plan, 100.0) == 1
+
+
+def test_compression_for_ratio_is_the_smallest() -> None:
+    # tau 30: compute 9 s, budget 0.9 s; latency 0.4 s; transfers 0.32 + 0.32 s at c = 1
+    plan = one_link_plan(tau=30)
+    c = compression_for_ratio(plan, 0.1, "both")  # 0.64 / (0.9 - 0.4) = 1.28
+    assert c == pytest.approx(1.28, rel=1e-12)
+    assert star_round(replace(plan, compression_up=c, compression_down=c)).comm_comp_ratio <= 0.1
+    less = c * (1 - 1e-9)
+    assert star_round(replace(plan, compression_up=less, compression_down=less)).comm_comp_ratio > 0.1
+
+    c_up = compression_for_ratio(plan, 0.1, "up")  # 0.32 / (0.9 - 0.4 - 0.32) = 1.777...
+    assert c_up == pytest.approx(0.32 / 0.18, rel=1e-12)
+    assert star_round(replace(plan, compression_up=c_up)).comm_comp_ratio <= 0.1
+    assert star_round(replace(plan, compression_up=c_up * (1 - 1e-9))).comm_comp_ratio > 0.1
+
+    assert compression_for_ratio(plan, 0.5) == 1.0  # met without compression
+    assert compression_for_ratio(one_link_plan(tau=10), 0.1, "both") is None  # 0.3 s budget < 0.4 s latency
+    assert compression_for_ratio(one_link_plan(tau=20), 0.1, "up") is None  # downlink + latency = 0.72 s > 0.6 s
+
+
+def test_compression_for_ratio_with_flower_round_trips() -> None:
+    # 1e9 parameters, 8 datacenters, continental, tau 50 * 2 s: the derived k shrinks as c grows
+    plan = StarPlan(params=1e9, datacenters=uniform_datacenters(8, "continental"), step_time_s=2.0, tau=50)
+    c = compression_for_ratio(plan, 0.1)
+    assert c is not None and 5 < c < 20
+    assert star_round(replace(plan, compression_up=c, compression_down=c)).comm_comp_ratio <= 0.1
+    less = c * (1 - 1e-6)
+    assert star_round(replace(plan, compression_up=less, compression_down=less)).comm_comp_ratio > 0.1
+
+
+# ----------------------------------------------------------------------------- links and inputs
+
+
+def test_link_profiles_and_explicit_numbers() -> None:
+    assert resolve_link("transoceanic") == LINK_PROFILES["transoceanic"]
+    assert (resolve_link("continental").bandwidth_mbps, resolve_link("continental").rtt_ms) == (1000.0, 40.0)
+    custom = resolve_link(bandwidth_mbps=50, rtt_ms=70)
+    assert (custom.bandwidth_mbps, custom.rtt_ms) == (50.0, 70.0)
+    slower = resolve_link("metro", rtt_ms=20)
+    assert (slower.bandwidth_mbps, slower.rtt_ms) == (10_000.0, 20.0)
+    with pytest.raises(CostModelError, match="unknown link profile 'mars'; known: metro, continental, transoceanic, constrained"):
+        resolve_link("mars")
+    with pytest.raises(CostModelError):
+        resolve_link(bandwidth_mbps=100)
+    assert transfer_time(1.25e6, 10.0) == pytest.approx(1.0)
+
+
+@pytest.mark.parametrize("bad", [dict(params=-1.0), dict(params=0.0), dict(tau=0), dict(step_time_s=math.nan),
+                                 dict(compression_up=0.0), dict(datacenters=()), dict(round_trips_per_round=-1)])
+def test_bad_inputs_are_rejected(bad: dict[str, object]) -> None:
+    with pytest.raises(CostModelError):
+        one_link_plan(**bad)
+
+
+# ----------------------------------------------------------------------------- the command
+
+
+def run_plan(*args: str) -> subprocess.CompletedProcess[str]:
+    return subprocess.run([crossdc_executable(), "plan", *args], capture_output=True, text=True, timeout=60)
+
+
+def test_cli_plan_json() -> None:
+    result = run_plan("--params", "1e6", "--datacenters", "4", "--bandwidth-mbps", "100", "--rtt-ms", "100",
+                      "--step-time", "0.5", "--tau", "20", "--round-trips", "5", "--json")
+    assert result.returncode == 0, result.stderr
+    out = json.loads(result.stdout)
+    assert out["sync_dp"]["comm_s"] == pytest.approx(0.78)
+    assert out["sync_dp"]["compute_s"] == 0.5
+    crossdc = out["crossdc"]
+    # 2 * 0.32 s + 5 * 0.1 s = 1.14 s of comm against 20 * 0.5 = 10 s of compute
+    assert crossdc["comm_s"] == pytest.approx(1.14)
+    assert crossdc["compute_s"] == pytest.approx(10.0)
+    assert crossdc["round_s"] == pytest.approx(11.14)
+    assert crossdc["comm_comp_ratio"] == pytest.approx(0.114)
+    assert crossdc["utilisation"] == pytest.approx(10 / 11.14)
+    assert crossdc["bytes_up"] == crossdc["bytes_down"] == 4e6
+    assert out["tau_for_target"] == 23  # 1.14 / (0.5 * 0.1) = 22.8
+    assert out["compression_for_target"] == pytest.approx(1.28)  # 0.64 / (1.0 - 0.5)
+    assert set(out) >= {"inputs", "sync_dp", "crossdc", "tau_for_target", "compression_for_target"}
+
+
+def test_cli_plan_table() -> None:
+    result = run_plan("--params", "1e9", "--datacenters", "8", "--link", "continental", "--step-time", "2", "--tau", "50")
+    assert result.returncode == 0, result.stderr
+    assert "sync data parallel" in result.stdout and "tau for comm/comp <= 0.1" in result.stdout
+
+
+@pytest.mark.parametrize("args", [
+    ("--params", "-5", "--datacenters", "8", "--link", "continental", "--step-time", "2", "--tau", "50"),
+    ("--params", "1e9", "--datacenters", "8", "--link", "mars", "--step-time", "2", "--tau", "50"),
+    ("--params", "1e9", "--datacenters", "8", "--step-time", "2", "--tau", "50"),
+])
+def test_cli_plan_bad_input_is_one_line(args: tuple[str, ...]) -> None:
+    result = run_plan(*args, "--json")
+    assert result.returncode != 0
+    lines = result.stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("crossdc: error:"), result.stderr
+    assert "Traceback" not in result.stderr and result.stdout == ""
+    if "mars" in args:
+        assert "metro, continental, transoceanic, constrained" in lines[0]
