@@ -14,7 +14,7 @@ from flwr.app import Context, Message
 from flwr.clientapp import ClientApp
 
 from crossdc.clients import client_app as real
-from crossdc.compression.payload import ARRAYS_KEY, CONFIG_KEY, from_array_record, to_array_record
+from crossdc.compression.payload import CONFIG_KEY, decode_tensors, encode_tensors
 from crossdc.db.engine import make_engine
 from crossdc.db.queries import get_run, list_datacenter_rounds, list_events, list_rounds
 from crossdc.platform.config import load_config
@@ -36,13 +36,14 @@ def corrupting_client_app(corrupt: str) -> ClientApp:
     def train(msg: Message, context: Context) -> Message:
         reply = real.train(msg, context)
         if str(msg.content[CONFIG_KEY][real.DATACENTER]) == BAD_DATACENTER:
-            delta = from_array_record(reply.content[ARRAYS_KEY])
+            delta = {name: value.copy() for name, value in decode_tensors(reply.content).items()}
             name = next(iter(delta))
             if corrupt == "nan":
                 delta[name] = np.full_like(delta[name], np.nan)
             else:
                 delta[name] = np.zeros(delta[name].shape + (2,), dtype=np.float32)
-            reply.content[ARRAYS_KEY] = to_array_record(delta)
+            for key, record in encode_tensors(delta).items():
+                reply.content[key] = record
         return reply
 
     return app

@@ -18,7 +18,7 @@ from flwr.app import ConfigRecord, Context, Message, MetricRecord, RecordDict
 from flwr.clientapp import ClientApp
 
 from crossdc.clients.channel import call_trainer
-from crossdc.compression.payload import ARRAYS_KEY, CONFIG_KEY, METRICS_KEY, from_array_record, to_array_record
+from crossdc.compression.payload import CONFIG_KEY, METRICS_KEY, decode_tensors, encode_tensors
 from crossdc.platform.rundir import RunDir
 
 #: config keys of server → datacenter messages
@@ -66,10 +66,10 @@ def train(msg: Message, context: Context) -> Message:
             "run_id": str(config[RUN_ID]),
             "round": int(config[ROUND]),
             "tau": int(config[TAU]),
-            "weights": from_array_record(msg.content[ARRAYS_KEY]),
+            "weights": decode_tensors(msg.content),
         },
     )
     metrics = dict(answer["metrics"])
     metrics["clientapp-s"] = time.perf_counter() - started
-    content = RecordDict({ARRAYS_KEY: to_array_record(answer["delta"]), METRICS_KEY: MetricRecord(metrics)})
+    content = RecordDict({**encode_tensors(answer["delta"]), METRICS_KEY: MetricRecord(metrics)})
     return Message(content, reply_to=msg)

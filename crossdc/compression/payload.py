@@ -1,32 +1,70 @@
-"""What crosses the WAN: record names in Flower messages, conversions, and exact byte counts.
+"""What crosses the WAN: the tensor wire format inside Flower messages, and exact byte counts.
+
+Wire format: all tensors of a message travel as ONE flat float32 Array (record ``arrays``, entry
+``flat``) plus a small layout record (``layout``: tensor names and shapes, in order). Flower 1.42
+makes one request per object it transfers (each record, each Array, each 5 MiB chunk), so one
+Array instead of one per tensor saves a WAN round trip per pair of tensors in each direction
+(for the demo's transformer: 67 → 9 round trips per round).
 
 Numpy only (no torch): the short-lived ClientApp imports this.
 """
 
 from __future__ import annotations
 
+import json
 from collections.abc import Mapping
 
 import numpy as np
-from flwr.app import Array, ArrayRecord, RecordDict
+from flwr.app import Array, ArrayRecord, ConfigRecord, RecordDict
 from flwr.common.serde import recorddict_to_proto
 
 #: record holding tensors: the global weights (down) or the update (up)
 ARRAYS_KEY = "arrays"
+#: names and shapes of the tensors packed in ARRAYS_KEY
+LAYOUT_KEY = "layout"
 #: config record of a server → datacenter message
 CONFIG_KEY = "config"
 #: metrics record of a datacenter's reply
 METRICS_KEY = "metrics"
+FLAT = "flat"
 
 
-def to_array_record(arrays: Mapping[str, np.ndarray]) -> ArrayRecord:
-    """Wrap named numpy arrays, keeping their order."""
-    return ArrayRecord({name: Array(np.ascontiguousarray(value)) for name, value in arrays.items()})
+class PayloadError(ValueError):
+    """A message's tensors cannot be decoded (missing records, or a layout that does not match the data)."""
 
 
-def from_array_record(record: ArrayRecord) -> dict[str, np.ndarray]:
-    """Unwrap an ArrayRecord into named numpy arrays (order kept)."""
-    return {name: array.numpy() for name, array in record.items()}
+def encode_tensors(arrays: Mapping[str, np.ndarray]) -> dict[str, ArrayRecord | ConfigRecord]:
+    """The records carrying `arrays` (float32): {ARRAYS_KEY: one flat Array, LAYOUT_KEY: names and shapes}."""
+    names = list(arrays)
+    flat = np.concatenate([np.asarray(arrays[n], dtype=np.float32).ravel() for n in names]) if names else np.zeros(0, np.float32)
+    layout = json.dumps([[n, list(np.shape(arrays[n]))] for n in names])
+    return {ARRAYS_KEY: ArrayRecord({FLAT: Array(flat)}), LAYOUT_KEY: ConfigRecord({"tensors": layout})}
+
+
+def decode_tensors(content: RecordDict) -> dict[str, np.ndarray]:
+    """The named tensors of a message encoded by :func:`encode_tensors`; PayloadError if it is not one."""
+    try:
+        flat = content[ARRAYS_KEY][FLAT].numpy()
+        layout = json.loads(str(content[LAYOUT_KEY]["tensors"]))
+    except (KeyError, TypeError, ValueError) as err:
+        raise PayloadError(f"no tensors in the message ({type(err).__name__}: {err})") from None
+    if flat.ndim != 1:
+        raise PayloadError(f"the packed tensors must be one flat array, got shape {flat.shape}")
+    result: dict[str, np.ndarray] = {}
+    offset = 0
+    for entry in layout:
+        if not (isinstance(entry, list) and len(entry) == 2 and isinstance(entry[0], str)
+                and isinstance(entry[1], list) and all(isinstance(d, int) and d >= 0 for d in entry[1])):
+            raise PayloadError(f"malformed layout entry {entry!r}")
+        name, shape = entry
+        size = int(np.prod(shape, dtype=np.int64)) if shape else 1
+        if offset + size > flat.size:
+            raise PayloadError(f"layout needs more values than the {flat.size} sent (at tensor '{name}')")
+        result[name] = flat[offset : offset + size].reshape(shape)
+        offset += size
+    if offset != flat.size:
+        raise PayloadError(f"layout covers {offset} values but {flat.size} were sent")
+    return result
 
 
 def payload_bytes(content: RecordDict) -> int:

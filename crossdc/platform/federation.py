@@ -28,7 +28,7 @@ from flwr.serverapp import Grid
 
 from crossdc.clients import client_app as wire
 from crossdc.clients.local_training import load_model_weights, model_weights
-from crossdc.compression.payload import ARRAYS_KEY, CONFIG_KEY, METRICS_KEY, from_array_record, payload_bytes, raw_fp32_bytes, to_array_record
+from crossdc.compression.payload import CONFIG_KEY, METRICS_KEY, decode_tensors, encode_tensors, payload_bytes, raw_fp32_bytes
 from crossdc.db.errors import DatabaseUnavailable
 from crossdc.db.runlog import RunLog
 from crossdc.platform.config import ExperimentConfig, parse_config
@@ -184,7 +184,7 @@ def judge_reply(reply: Reply | None, weights: dict[str, np.ndarray], tau: int, b
     content = reply.message.content
     row["bytes_up"] = payload_bytes(content)
     try:
-        delta = from_array_record(content[ARRAYS_KEY])
+        delta = decode_tensors(content)
         metrics = dict(content[METRICS_KEY])
         num_examples = int(metrics["num-examples"])
         compute_s = float(metrics["compute-s"])
@@ -225,13 +225,13 @@ def _run(grid: Grid, run_dir: RunDir, run_id: str, config: ExperimentConfig, run
     for server_round in range(1, config.run.rounds + 1):
         round_started = time.perf_counter()
         tau = strategy.tau(server_round)
-        global_record = to_array_record(weights)
+        global_records = encode_tensors(weights)
         messages: dict[str, Message] = {}
         bytes_down: dict[str, int] = {}
         for name, node in nodes.items():
             cfg = {wire.ROUND: server_round, wire.TAU: tau, wire.RUN_ID: run_id, wire.RUN_DIR: str(run_dir.path), wire.DATACENTER: name}
             cfg.update(strategy.client_config(server_round))
-            content = RecordDict({ARRAYS_KEY: global_record, CONFIG_KEY: ConfigRecord(cfg)})
+            content = RecordDict({**global_records, CONFIG_KEY: ConfigRecord(cfg)})
             # a message not delivered by the round's deadline expires: a datacenter that comes back late
             # gets the next round's model instead of training on a stale one
             messages[name] = Message(content, dst_node_id=node, message_type=MessageType.TRAIN, ttl=config.run.round_timeout_s)

@@ -3,13 +3,14 @@
 Client contract (what every strategy built on this base relies on):
 
 - The server sends each datacenter a train message holding the current global
-  weights (record ``arrays``) and a config record with at least ``round``,
+  weights (packed by :func:`crossdc.compression.payload.encode_tensors`: records
+  ``arrays`` and ``layout``) and a config record with at least ``round``,
   ``tau`` (local optimizer steps to run) and ``crossdc-run-id``; a strategy
   may add its own entries through :meth:`Strategy.client_config`.
 - The datacenter loads the global weights, runs exactly ``tau`` optimizer
   steps of its inner optimizer on its own data, and replies with its
-  **update** ``w_local − w_global`` (record ``arrays``, same names, shapes and
-  dtypes as sent) and a metrics record with ``num-examples`` (examples seen in
+  **update** ``w_local − w_global`` (packed the same way, same names and shapes
+  as sent) and a metrics record with ``num-examples`` (examples seen in
   those steps), ``train-loss`` and ``compute-s``.
 
 The base owns what every strategy shares: the τ schedule and the

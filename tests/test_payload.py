@@ -1,0 +1,43 @@
+"""The tensor wire format: one flat float32 Array plus a layout; exact byte counts."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+from flwr.app import ConfigRecord, RecordDict
+
+from crossdc.compression.payload import LAYOUT_KEY, PayloadError, decode_tensors, encode_tensors, payload_bytes, raw_fp32_bytes
+
+
+def test_round_trip_keeps_names_order_shapes_and_values() -> None:
+    arrays = {"b": np.arange(6, dtype=np.float32).reshape(2, 3), "a": np.array([1.5], np.float32), "s": np.float32(2.0) * np.ones(())}
+    decoded = decode_tensors(RecordDict(encode_tensors(arrays)))
+    assert list(decoded) == ["b", "a", "s"]
+    for name, value in arrays.items():
+        assert decoded[name].shape == value.shape and decoded[name].dtype == np.float32
+        np.testing.assert_array_equal(decoded[name], value)
+
+
+def test_one_array_whatever_the_number_of_tensors() -> None:
+    records = encode_tensors({f"t{i}": np.zeros(3, np.float32) for i in range(50)})
+    assert len(list(records["arrays"].keys())) == 1
+
+
+def test_bytes_are_the_payload_plus_small_framing() -> None:
+    arrays = {"w": np.zeros((100, 100), np.float32), "b": np.zeros(100, np.float32)}
+    size = payload_bytes(RecordDict(encode_tensors(arrays)))
+    assert raw_fp32_bytes(arrays) == 40_400
+    assert 40_400 < size < 40_400 + 400
+
+
+@pytest.mark.parametrize("layout", ['[["w", [3]]]', '[["w", [1]]]', '[["w", [-2]]]', '[["w"]]', "not json"])
+def test_a_layout_that_does_not_match_the_data_is_refused(layout: str) -> None:
+    content = RecordDict(encode_tensors({"w": np.zeros(2, np.float32)}))
+    content[LAYOUT_KEY] = ConfigRecord({"tensors": layout})
+    with pytest.raises(PayloadError):
+        decode_tensors(content)
+
+
+def test_missing_records_are_refused() -> None:
+    with pytest.raises(PayloadError, match="no tensors"):
+        decode_tensors(RecordDict({}))
