@@ -129,18 +129,18 @@ def test_coordinator_bandwidth_is_shared_by_the_datacenters() -> None:
 
 def test_flower_round_trips_counted_from_the_protocol() -> None:
     ten_mib = 2 * FLOWER_CHUNK_BYTES
-    # Message + RecordDict + 2 records + 1 Array + 2 chunks
-    assert flower_objects_per_message(ten_mib) == 7
+    # Message + RecordDict + 3 records (arrays, layout, config/metrics) + 1 Array + 2 chunks
+    assert flower_objects_per_message(ten_mib) == 8
     # 4 tensors of 2.5 MiB: 4 Arrays + 4 chunks
-    assert flower_objects_per_message(ten_mib, tensors=4) == 12
-    assert flower_objects_per_message(ten_mib + 1) == 8  # a third chunk
-    # PullMessages + ConfirmMessageReceived + PushMessages, then ceil(7/2) pulls and ceil(6/2) pushes
-    assert flower_round_trips(ten_mib, 1.0) == 3 + 4 + 3
-    assert flower_round_trips(ten_mib, 1.0, first_message=True) == 3 + 4 + 3 + 2  # + GetRun, GetFab
+    assert flower_objects_per_message(ten_mib, tensors=4) == 13
+    assert flower_objects_per_message(ten_mib + 1) == 9  # a third chunk
+    # PullMessages + ConfirmMessageReceived + PushMessages, then ceil(8/2) pulls and ceil(7/2) pushes
+    assert flower_round_trips(ten_mib, 1.0) == 3 + 4 + 4
+    assert flower_round_trips(ten_mib, 1.0, first_message=True) == 3 + 4 + 4 + 2  # + GetRun, GetFab
     # the derived default k follows the payloads, and compression lowers it
     plan = two_datacenter_plan(round_trips_per_round=None, params=ten_mib / 4)
-    assert star_round(plan).round_trips == 3 + 4 + 4
-    assert star_round(replace(plan, compression_up=2.0, compression_down=2.0)).round_trips == 3 + 3 + 3
+    assert star_round(plan).round_trips == 3 + 4 + 4  # 8 objects each way
+    assert star_round(replace(plan, compression_up=2.0, compression_down=2.0)).round_trips == 3 + 4 + 4  # 7 each way
 
 
 # ----------------------------------------------------------------------------- what it takes

@@ -72,8 +72,9 @@ FLOWER_OBJECT_CONCURRENCY = 2
 FLOWER_FIXED_EXCHANGES_PER_MESSAGE = 3
 #: GetRun + GetFab, only for the first message of a run (crossdc's discovery query, not a training round).
 FLOWER_FIRST_MESSAGE_EXCHANGES = 2
-#: crossdc's TRAIN message holds {arrays, config}, its reply {arrays, metrics}: two records each.
-CROSSDC_RECORDS_PER_MESSAGE = 2
+#: crossdc's TRAIN message holds {arrays, layout, config}, its reply {arrays, layout, metrics}: three
+#: records each, all tensors packed in one Array (crossdc/compression/payload.py), so T = 1.
+CROSSDC_RECORDS_PER_MESSAGE = 3
 
 
 class CostModelError(ValueError):
