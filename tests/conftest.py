@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import shutil
 import sys
 import uuid
 from collections.abc import Iterator
@@ -23,6 +24,19 @@ PG_START_HINT = (
     "start it with: pg_ctlcluster --skip-systemctl-redirect $(ls /etc/postgresql) main start "
     "(or point CROSSDC_TEST_PG_ADMIN_URL at a server where this user may CREATE DATABASE)"
 )
+
+
+def crossdc_executable() -> str:
+    """The `crossdc` console script of this virtualenv (or on PATH)."""
+    candidate = Path(sys.executable).with_name("crossdc")
+    if candidate.exists():
+        return str(candidate)
+    found = shutil.which("crossdc")
+    assert found, "the crossdc console script is not installed"
+    return found
+
+
+CROSSDC = crossdc_executable()
 
 
 def via_relay(url: str, relay: TcpRelay) -> str:

@@ -8,16 +8,16 @@ from __future__ import annotations
 
 import json
 import os
-import shutil
 import socket
 import subprocess
-import sys
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
 import sqlalchemy as sa
+
+from conftest import CROSSDC  # tests/ is on sys.path
 
 REPO = Path(__file__).resolve().parents[1]
 SYNTHETIC_EXAMPLE = REPO / "examples" / "synthetic-2dc.toml"
@@ -26,16 +26,6 @@ FLOWER_PROCESS_MARKERS = ("flower-superlink", "flower-supernode", "flower-supere
                           "flwr-clientapp", "crossdc.clients.trainer")
 
 
-def crossdc_executable() -> str:
-    candidate = Path(sys.executable).with_name("crossdc")
-    if candidate.exists():
-        return str(candidate)
-    found = shutil.which("crossdc")
-    assert found, "the crossdc console script is not installed"
-    return found
-
-
-CROSSDC = crossdc_executable()
 
 
 @dataclass

@@ -4,18 +4,17 @@ from __future__ import annotations
 
 import json
 import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 
+from conftest import CROSSDC  # noqa: E402
 from crossdc.db.engine import make_engine
 from crossdc.db.queries import list_datacenter_rounds, list_rounds, list_runs
 from crossdc.platform.processes import free_port
 
 REPO = Path(__file__).resolve().parents[1]
 CONFIG = REPO / "examples" / "synthetic-2dc.toml"
-CROSSDC = str(Path(sys.executable).with_name("crossdc"))
 SUMMARY_KEYS = {"run_id", "rounds", "val_loss", "val_accuracy", "bytes_up_total", "bytes_down_total", "wall_s"}
 
 

@@ -4,14 +4,12 @@ from __future__ import annotations
 
 import json
 import math
-import shutil
 import subprocess
-import sys
 from dataclasses import replace
-from pathlib import Path
 
 import pytest
 
+from conftest import CROSSDC  # noqa: E402
 from crossdc.platform.cost_model import (
     FLOWER_CHUNK_BYTES,
     CostModelError,
@@ -33,13 +31,6 @@ from crossdc.platform.links import LINK_PROFILES, LinkSpec
 LINK_100M_100MS = LinkSpec("test", bandwidth_mbps=100.0, rtt_ms=100.0)
 
 
-def crossdc_executable() -> str:
-    candidate = Path(sys.executable).with_name("crossdc")
-    if candidate.exists():
-        return str(candidate)
-    found = shutil.which("crossdc")
-    assert found, "the crossdc console script is not installed"
-    return found
 
 
 # ----------------------------------------------------------------------------- sync data parallel
@@ -225,7 +216,7 @@ def test_bad_inputs_are_rejected(bad: dict[str, object]) -> None:
 
 
 def run_plan(*args: str) -> subprocess.CompletedProcess[str]:
-    return subprocess.run([crossdc_executable(), "plan", *args], capture_output=True, text=True, timeout=60)
+    return subprocess.run([CROSSDC, "plan", *args], capture_output=True, text=True, timeout=60)
 
 
 def test_cli_plan_json() -> None:
