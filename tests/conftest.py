@@ -8,11 +8,13 @@ import sys
 import uuid
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import pytest
 from sqlalchemy.engine import make_url
 
-from crossdc.db.engine import upgrade
+from crossdc.db.engine import make_engine, upgrade
+from crossdc.db.queries import get_run, list_datacenter_rounds, list_events, list_rounds
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from tcp_relay import TcpRelay  # noqa: E402
@@ -37,6 +39,16 @@ def crossdc_executable() -> str:
 
 
 CROSSDC = crossdc_executable()
+
+
+def read_run(db_url: str, run_id: str) -> dict[str, Any]:
+    """Everything the run log holds about one run: run, rounds, dc_rounds, events (plain dicts)."""
+    engine = make_engine(db_url)
+    try:
+        return {"run": get_run(engine, run_id), "rounds": list_rounds(engine, run_id),
+                "dc_rounds": list_datacenter_rounds(engine, run_id), "events": list_events(engine, run_id)}
+    finally:
+        engine.dispose()
 
 
 def via_relay(url: str, relay: TcpRelay) -> str:

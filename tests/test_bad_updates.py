@@ -15,8 +15,7 @@ from flwr.clientapp import ClientApp
 
 from crossdc.clients import client_app as real
 from crossdc.compression.payload import CONFIG_KEY, decode_tensors, encode_tensors
-from crossdc.db.engine import make_engine
-from crossdc.db.queries import get_run, list_datacenter_rounds, list_events, list_rounds
+from conftest import read_run
 from crossdc.platform.config import load_config
 from crossdc.platform.local_run import LocalRunOptions, run_local
 
@@ -55,14 +54,8 @@ def test_bad_update_is_rejected_and_the_run_goes_on(corrupt: str, reason: str, t
     monkeypatch.setattr(real, "app", corrupting_client_app(corrupt))
     db_url = f"sqlite:///{tmp_path / 'bad.db'}"
     result = run_local(load_config(CONFIG), LocalRunOptions(db_url=db_url, engine="simulation", runs_root=tmp_path / "runs"))
-    engine = make_engine(db_url)
-    try:
-        run = get_run(engine, result.run_id)
-        rounds = list_rounds(engine, result.run_id)
-        dc_rounds = list_datacenter_rounds(engine, result.run_id)
-        events = list_events(engine, result.run_id)
-    finally:
-        engine.dispose()
+    logged = read_run(db_url, result.run_id)
+    run, rounds, dc_rounds, events = logged["run"], logged["rounds"], logged["dc_rounds"], logged["events"]
     assert run["status"] == "finished" and len(rounds) == 3
     bad = [r for r in dc_rounds if r["datacenter"] == BAD_DATACENTER]
     good = [r for r in dc_rounds if r["datacenter"] != BAD_DATACENTER]

@@ -10,12 +10,12 @@ import pytest
 from sqlalchemy import Engine
 
 from crossdc.db.engine import make_engine, upgrade
-from crossdc.db.queries import get_run, list_datacenter_rounds, list_events, list_rounds, list_runs
+from crossdc.db.queries import list_rounds, list_runs
 from crossdc.platform.config import load_config, with_rounds
 from crossdc.platform.local_run import LocalRunOptions, RunFailed, run_local
 from crossdc.platform.processes import free_port
 
-from conftest import via_relay
+from conftest import read_run, via_relay
 from tcp_relay import TcpRelay
 
 CONFIG = Path(__file__).resolve().parents[1] / "examples" / "synthetic-2dc.toml"
@@ -56,14 +56,10 @@ def test_run_survives_a_database_outage(pg_url: str, relay: TcpRelay, tmp_path: 
     config = with_rounds(load_config(CONFIG), 4)
     result = run_local(config, LocalRunOptions(db_url=url, superlink_port=free_port(), runs_root=tmp_path / "runs"))
     cutter.join(timeout=10)
-    try:
-        assert "end" in outage, "the outage never happened: the test would prove nothing"
-        run = get_run(direct, result.run_id)
-        rounds = list_rounds(direct, result.run_id)
-        dc_rounds = list_datacenter_rounds(direct, result.run_id)
-        events = list_events(direct, result.run_id)
-    finally:
-        direct.dispose()
+    direct.dispose()
+    assert "end" in outage, "the outage never happened: the test would prove nothing"
+    logged = read_run(pg_url, result.run_id)
+    run, rounds, dc_rounds, events = logged["run"], logged["rounds"], logged["dc_rounds"], logged["events"]
     assert run["status"] == "finished"
     assert [r["round"] for r in rounds] == [1, 2, 3, 4]  # each exactly once
     assert len(dc_rounds) == 8 and all(r["status"] == "ok" for r in dc_rounds)

@@ -12,7 +12,8 @@ from pathlib import Path
 import pytest
 
 from crossdc.db.engine import make_engine
-from crossdc.db.queries import get_run, list_datacenter_rounds, list_events, list_rounds, parse_flower_run_ids
+from crossdc.db.queries import get_run, list_rounds, parse_flower_run_ids
+from conftest import read_run
 from crossdc.platform.config import load_config, with_rounds
 from crossdc.platform.local_run import RUN_MARKER_ENV, LocalRunOptions, run_local
 from crossdc.platform.processes import ensure_port_free, free_port, processes_with_env
@@ -53,18 +54,7 @@ def deployment_run(tmp_path_factory: pytest.TempPathFactory) -> dict:
     config = with_rounds(load_config(CONFIG), 2)
     port = free_port()
     result = run_local(config, LocalRunOptions(db_url=db_url, engine="deployment", superlink_port=port, runs_root=tmp / "runs"))
-    engine = make_engine(db_url)
-    try:
-        data = {
-            "result": result,
-            "port": port,
-            "run": get_run(engine, result.run_id),
-            "rounds": list_rounds(engine, result.run_id),
-            "dc_rounds": list_datacenter_rounds(engine, result.run_id),
-            "events": list_events(engine, result.run_id),
-        }
-    finally:
-        engine.dispose()
+    data = {"result": result, "port": port, **read_run(db_url, result.run_id)}
     return data
 
 
@@ -162,13 +152,8 @@ def test_simulation_engine_runs_the_same_apps(tmp_path: Path) -> None:
     db_url = f"sqlite:///{tmp_path / 'sim.db'}"
     config = load_config(CONFIG)
     result = run_local(config, LocalRunOptions(db_url=db_url, engine="simulation", runs_root=tmp_path / "runs"))
-    engine = make_engine(db_url)
-    try:
-        run = get_run(engine, result.run_id)
-        rounds = list_rounds(engine, result.run_id)
-        dc_rounds = list_datacenter_rounds(engine, result.run_id)
-    finally:
-        engine.dispose()
+    logged = read_run(db_url, result.run_id)
+    run, rounds, dc_rounds = logged["run"], logged["rounds"], logged["dc_rounds"]
     assert run["status"] == "finished"
     assert [r["tau"] for r in rounds] == [2, 5, 8]
     assert len(dc_rounds) == 6 and all(r["status"] == "ok" for r in dc_rounds)
@@ -219,12 +204,7 @@ def wan_fault_run(tmp_path_factory: pytest.TempPathFactory) -> dict:
     (tmp / "wan.toml").write_text(WAN_CONFIG)
     db_url = f"sqlite:///{tmp / 'wan.db'}"
     result = run_local(load_config(tmp / "wan.toml"), LocalRunOptions(db_url=db_url, superlink_port=free_port(), runs_root=tmp / "runs"))
-    engine = make_engine(db_url)
-    try:
-        return {"result": result, "run": get_run(engine, result.run_id), "dc_rounds": list_datacenter_rounds(engine, result.run_id),
-                "events": list_events(engine, result.run_id)}
-    finally:
-        engine.dispose()
+    return {"result": result, **read_run(db_url, result.run_id)}
 
 
 @pytest.mark.deployment
