@@ -337,7 +337,6 @@ def test_min_replies_more_than_datacenters_is_rejected() -> None:
         ("security.robust_aggregation", "trimmed_mean", "security.robust_aggregation"),
         ("security.norm_rejection_factor", 3, "security.norm_rejection_factor"),
         ("run.deadline", {"floor_s": 30, "ceiling_s": 3600, "k_mad": 4}, "run.deadline"),
-        ("datacenters.0.workers", 2, "datacenters[0].workers"),
         ("datacenters.0.speed", 0.5, "datacenters[0].speed"),
         ("datacenters.1.speed", 2, "datacenters[1].speed"),
     ],
@@ -421,3 +420,11 @@ def test_non_finite_numbers_are_rejected(tmp_path: Path, key: str, literal: str)
     path.write_text(MINIMAL_TOML.replace(section, f"{section}\n{key} = {literal}"))
     with pytest.raises(ConfigError, match=key):
         load_config(path)
+
+
+def test_workers_must_divide_the_batch() -> None:
+    doc = with_changes("datacenters.0.workers", 2)
+    assert parse_config(doc).datacenters[0].workers == 2
+    doc = with_changes("datacenters.0.workers", 3, with_changes("workload.batch_size", 32))
+    message = config_error(doc)
+    assert "batch_size" in message and "divisible" in message

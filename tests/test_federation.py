@@ -97,9 +97,9 @@ def row_tau(rounds: list[dict], server_round: int) -> int:
 @pytest.mark.timeout(300)
 def test_the_same_trainer_process_serves_every_round(deployment_run: dict) -> None:
     result = deployment_run["result"]
-    per_round = result.summary["trainer_pids"]
-    for datacenter, pid in result.trainer_pids.items():
-        assert per_round[datacenter] == [pid, pid]
+    per_round = result.summary["worker_pids"]
+    for datacenter, pids in result.worker_pids.items():
+        assert per_round[datacenter] == [pids, pids]
 
 
 @pytest.mark.deployment

@@ -79,12 +79,28 @@ class BatchStream:
 
 
 class LocalTrainer:
-    """One model, one optimizer, one data stream: the unit of local training."""
+    """One model, one optimizer, one data stream: the unit of local training.
 
-    def __init__(self, workload: Workload, dataset: TensorDataset, batch_size: int, optimizer: str, lr: float, seed: int) -> None:
+    With `world` > 1 this is one rank of a data-parallel group (torch.distributed must be
+    initialised): every rank draws the same global batch from the same seeded stream and
+    trains on its own slice of it (rank r takes examples [r·B/W, (r+1)·B/W)), and
+    DistributedDataParallel averages the gradients, so a step equals one step of a single
+    process on the whole global batch (same batch semantics, same model, to float tolerance).
+    """
+
+    def __init__(self, workload: Workload, dataset: TensorDataset, batch_size: int, optimizer: str, lr: float, seed: int,
+                 rank: int = 0, world: int = 1) -> None:
+        if batch_size % world:
+            raise ValueError(f"the batch size {batch_size} must be divisible by the {world} local workers")
         torch.manual_seed(seed)
         self.workload = workload
         self.model = workload.make_model()
+        self.rank, self.world = rank, world
+        self.forward: torch.nn.Module = self.model
+        if world > 1:
+            from torch.nn.parallel import DistributedDataParallel
+
+            self.forward = DistributedDataParallel(self.model)
         self.optimizer = make_optimizer(optimizer, self.model.parameters(), lr)
         self.stream = BatchStream(dataset, batch_size, seed)
 
@@ -103,14 +119,24 @@ class LocalTrainer:
         started = time.perf_counter()
         for _ in range(steps):
             inputs, targets = self.stream.next()
+            examples += int(inputs.shape[0])
+            if self.world > 1:
+                part = inputs.shape[0] // self.world
+                inputs, targets = (t[self.rank * part : (self.rank + 1) * part] for t in (inputs, targets))
             self.optimizer.zero_grad(set_to_none=True)
-            loss = self.workload.loss(self.model(inputs), targets)
+            loss = self.workload.loss(self.forward(inputs), targets)
             objective = loss if extra_loss is None else loss + extra_loss(self.model)
             objective.backward()
             self.optimizer.step()
             total_loss += float(loss.detach())
-            examples += int(inputs.shape[0])
-        return StepsResult(steps=steps, mean_loss=total_loss / steps, num_examples=examples, compute_s=time.perf_counter() - started)
+        mean_loss = total_loss / steps
+        if self.world > 1:  # the mean over ranks of equal slices is the global batch's mean loss
+            import torch.distributed as dist
+
+            summed = torch.tensor([mean_loss], dtype=torch.float64)
+            dist.all_reduce(summed)
+            mean_loss = float(summed) / self.world
+        return StepsResult(steps=steps, mean_loss=mean_loss, num_examples=examples, compute_s=time.perf_counter() - started)
 
     def state_dict(self) -> dict[str, Any]:
         """Optimizer state and data position (what must survive a restart), not the weights."""

@@ -5,10 +5,12 @@ model, the inner optimizer and the data order in memory and answers the
 short-lived ClientApps over a local authenticated socket, so no round pays
 process start-up or a torch import. After every round it writes its state
 (inner optimizer moments, data position) to the durable state store; a
-restarted trainer resumes from it.
+restarted trainer resumes from it. With `workers` W > 1 in the datacenter's
+config it is rank 0 of a W-process data-parallel group (DistributedDataParallel);
+only rank 0 talks to the ClientApp.
 
 Protocol (one request per connection, pickled dicts):
-- ``{"op": "ping"}`` → ``{"ok": True, "pid", "datacenter", "run_id"}``
+- ``{"op": "ping"}`` → ``{"ok": True, "pid", "worker_pids", "datacenter", "run_id", "group_start_s"}``
 - ``{"op": "train", "run_id", "round", "tau", "weights": {name: ndarray}}`` →
   ``{"ok": True, "delta": {name: ndarray}, "metrics": {...}}`` where delta is
   w_local − w_global after exactly `tau` steps.
@@ -21,6 +23,7 @@ import argparse
 import logging
 import os
 import signal
+import subprocess
 import sys
 import time
 from multiprocessing.connection import Listener
@@ -29,40 +32,91 @@ from typing import Any
 
 import numpy as np
 import torch
+import torch.distributed as dist
 
-from crossdc.clients.local_training import LocalTrainer
-from crossdc.clients.state_store import DatacenterStateStore
-from crossdc.platform.config import ExperimentConfig, parse_config
-from crossdc.platform.experiment import build_workload, datacenter_seed
+from crossdc.clients.worker import GROUP_TIMEOUT, TRAINER_STATE_KEY, backend, build_rank
+from crossdc.platform.config import parse_config
+from crossdc.platform.processes import die_with_parent
 from crossdc.platform.rundir import RunDir
 
 log = logging.getLogger("crossdc.trainer")
 
-TRAINER_STATE_KEY = "local-trainer"
-
-
 class DatacenterTrainer:
-    """Handles requests for one datacenter of one run."""
+    """Handles requests for one datacenter of one run, as rank 0 of its worker group.
 
-    def __init__(self, config: ExperimentConfig, run_id: str, datacenter: str, state_root: Path) -> None:
+    With `workers` W > 1 it starts W − 1 worker processes (crossdc.clients.worker), joins them in a
+    torch.distributed group (NCCL on GPUs, gloo on CPUs) and broadcasts each round's command; the
+    group lives across rounds. If a rank fails, the round fails cleanly (an error for the ClientApp,
+    so the server records that datacenter's failure), every rank of the group is stopped, and a new
+    group is started from the state store for the next round.
+    """
+
+    def __init__(self, run_dir: RunDir, datacenter: str) -> None:
+        settings = run_dir.settings()
+        config = parse_config(settings["config"])
         if datacenter not in config.datacenter_names:
             raise ValueError(f"datacenter '{datacenter}' is not in the run's config ({', '.join(config.datacenter_names)})")
-        self.run_id, self.datacenter = run_id, datacenter
-        workload = build_workload(config)
-        w = config.workload
-        self.trainer = LocalTrainer(workload, workload.shard(datacenter), w.batch_size, w.optimizer, w.lr, datacenter_seed(config, datacenter))
-        self.store = DatacenterStateStore(state_root, run_id, datacenter)
-        self.last_round = 0
-        stored = self.store.load(TRAINER_STATE_KEY)
-        if stored is not None:
-            state, self.last_round = stored
-            self.trainer.load_state_dict(state)
-            log.info("%s: resumed local state of round %d", datacenter, self.last_round)
+        self.run_dir, self.run_id, self.datacenter = run_dir, settings["run_id"], datacenter
+        self.world = next(dc.workers for dc in config.datacenters if dc.name == datacenter)
+        self.generation = 0
+        self.workers: list[subprocess.Popen[bytes]] = []
+        started = time.perf_counter()
+        self._start_group()
+        self.group_start_s = time.perf_counter() - started
+        log.info("%s: worker group of %d started in %.2fs", datacenter, self.world, self.group_start_s)
+
+    def _start_group(self) -> None:
+        if self.world > 1:
+            self.generation += 1
+            rendezvous = self.run_dir.path / "trainers" / f"{self.datacenter}.group-{self.generation}"
+            rendezvous.unlink(missing_ok=True)
+            log_file = open(self.run_dir.logs / f"workers-{self.datacenter}.log", "ab")
+            self.workers = [
+                subprocess.Popen([sys.executable, "-m", "crossdc.clients.worker", "--run-dir", str(self.run_dir.path),
+                                  "--datacenter", self.datacenter, "--rank", str(rank), "--world", str(self.world),
+                                  "--rendezvous", str(rendezvous)],
+                                 stdout=log_file, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, preexec_fn=die_with_parent)
+                for rank in range(1, self.world)
+            ]
+            log_file.close()
+            dist.init_process_group(backend(), init_method=f"file://{rendezvous}", rank=0, world_size=self.world, timeout=GROUP_TIMEOUT)
+        self.trainer, self.store, self.last_round = build_rank(self.run_dir, self.datacenter, 0, self.world)
+        if self.last_round:
+            log.info("%s: local state of round %d restored", self.datacenter, self.last_round)
+
+    def _stop_group(self, graceful: bool) -> None:
+        if self.world == 1:
+            return
+        if graceful:
+            try:
+                dist.broadcast_object_list([{"op": "stop"}], src=0)
+            except Exception:
+                graceful = False
+        for worker in self.workers:
+            if not graceful:
+                worker.kill()
+            try:
+                worker.wait(timeout=30)
+            except subprocess.TimeoutExpired:
+                worker.kill()
+                worker.wait(timeout=10)
+        try:
+            dist.destroy_process_group()
+        except Exception:
+            pass
+        self.workers = []
+
+    def close(self) -> None:
+        self._stop_group(graceful=True)
+
+    def worker_pids(self) -> list[int]:
+        return [os.getpid(), *(w.pid for w in self.workers)]
 
     def handle(self, request: dict[str, Any]) -> dict[str, Any]:
         op = request.get("op")
         if op == "ping":
-            return {"ok": True, "pid": os.getpid(), "datacenter": self.datacenter, "run_id": self.run_id, "last_round": self.last_round}
+            return {"ok": True, "pid": os.getpid(), "worker_pids": self.worker_pids(), "datacenter": self.datacenter,
+                    "run_id": self.run_id, "last_round": self.last_round, "group_start_s": self.group_start_s}
         if op == "train":
             return self._train(request)
         return {"ok": False, "error": f"unknown trainer op {op!r}"}
@@ -73,9 +127,22 @@ class DatacenterTrainer:
         server_round, tau = int(request["round"]), int(request["tau"])
         if server_round <= self.last_round:  # a stale message (e.g. delivered after its round closed)
             return {"ok": False, "error": f"round {server_round} is not newer than round {self.last_round}, already trained here"}
+        dead = [w.pid for w in self.workers if w.poll() is not None]
         global_weights = request["weights"]
-        self.trainer.set_weights(global_weights)
-        result = self.trainer.train_steps(tau)
+        pids = self.worker_pids()
+        try:
+            if dead:
+                raise RuntimeError(f"local worker(s) {dead} of the group had exited")
+            if self.world > 1:
+                dist.broadcast_object_list([{"op": "train", "tau": tau, "weights": global_weights}], src=0)
+            self.trainer.set_weights(global_weights)
+            result = self.trainer.train_steps(tau)
+        except Exception as err:  # a rank failed: this datacenter's round fails; a fresh group serves the next
+            message = f"local training failed on {self.datacenter} ({type(err).__name__}: {err})".splitlines()[0]
+            log.error("%s; restarting the worker group", message)
+            self._stop_group(graceful=False)
+            self._start_group()
+            return {"ok": False, "error": message}
         local = self.trainer.get_weights()
         delta = {name: local[name] - np.asarray(global_weights[name], dtype=np.float32) for name in local}
         started = time.perf_counter()
@@ -90,16 +157,16 @@ class DatacenterTrainer:
                 "compute-s": result.compute_s,
                 "state-save-s": time.perf_counter() - started,
                 "trainer-pid": os.getpid(),
+                "workers": self.world,
+                "worker-pids": pids,
             },
         }
 
 
 def serve(run_dir: RunDir, datacenter: str) -> None:
     """Serve requests until SIGTERM/SIGINT."""
-    settings = run_dir.settings()
-    config = parse_config(settings["config"])
     torch.set_num_threads(max(1, int(os.environ.get("CROSSDC_TRAINER_THREADS", "1"))))
-    handler = DatacenterTrainer(config, settings["run_id"], datacenter, run_dir.state_root)
+    handler = DatacenterTrainer(run_dir, datacenter)
     socket_path = run_dir.trainer_socket(datacenter)
     socket_path.unlink(missing_ok=True)
     listener = Listener(str(socket_path), family="AF_UNIX", authkey=run_dir.authkey())
@@ -107,6 +174,7 @@ def serve(run_dir: RunDir, datacenter: str) -> None:
 
     def stop(signum: int, frame: Any) -> None:
         listener.close()
+        handler.close()
         sys.exit(0)
 
     signal.signal(signal.SIGTERM, stop)

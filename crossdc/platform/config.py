@@ -275,8 +275,6 @@ def _parse_datacenters(doc: dict[str, Any]) -> tuple[DatacenterSection, ...]:
         seen.add(name)
         workers = _typed(t, "workers", int, where, 1)
         _positive(workers, where + "workers")
-        if workers != 1:
-            raise ConfigError(f"'{where}workers' = {workers}: several local workers (DDP) is not implemented yet")
         speed = _typed(t, "speed", float, where, 1.0)
         _positive(speed, where + "speed")
         if speed != 1.0:
@@ -327,6 +325,11 @@ def parse_config(doc: dict[str, Any]) -> ExperimentConfig:
     _parse_not_yet(doc)
     run = _parse_run(doc)
     datacenters = _parse_datacenters(doc)
+    batch_size = _parse_workload(doc).batch_size
+    for dc in datacenters:
+        if batch_size % dc.workers:
+            raise ConfigError(f"'workload.batch_size' = {batch_size} must be divisible by datacenter '{dc.name}''s "
+                              f"{dc.workers} workers (each takes an equal slice of every batch)")
     if run.min_replies > len(datacenters):
         raise ConfigError(f"'run.min_replies' = {run.min_replies} but there are only {len(datacenters)} datacenters")
     config = ExperimentConfig(

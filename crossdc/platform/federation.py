@@ -165,7 +165,7 @@ class Judged:
 
     row: dict[str, Any]
     update: ClientUpdate | None = None
-    trainer_pid: int | None = None
+    worker_pids: tuple[int, ...] | None = None  # the datacenter's worker group, rank 0 first
     replied: bool = True  # False: nothing came from the datacenter (timeout, expired message)
 
 
@@ -189,7 +189,7 @@ def judge_reply(reply: Reply | None, weights: dict[str, np.ndarray], tau: int, b
         num_examples = int(metrics["num-examples"])
         compute_s = float(metrics["compute-s"])
         train_loss = float(metrics.get("train-loss", float("nan")))
-        trainer_pid = int(metrics.get("trainer-pid", -1))
+        worker_pids = tuple(int(p) for p in metrics.get("worker-pids", [metrics.get("trainer-pid", -1)]))
         reason = rejection_reason(delta, weights)
     except Exception as err:  # a reply that is not what the contract says
         return Judged({**row, "status": "rejected", "reason": f"malformed reply: {type(err).__name__}: {err}"[:500]})
@@ -201,7 +201,7 @@ def judge_reply(reply: Reply | None, weights: dict[str, np.ndarray], tau: int, b
         return Judged({**row, "status": "rejected", "reason": reason})
     row.update(status="ok", bytes_up_raw=raw_fp32_bytes(delta), compute_s=compute_s, train_loss=train_loss,
                num_examples=num_examples, drift_l2=l2_norm(delta))
-    return Judged(row, ClientUpdate("", delta, num_examples, metrics), trainer_pid)
+    return Judged(row, ClientUpdate("", delta, num_examples, metrics), worker_pids)
 
 
 def _run(grid: Grid, run_dir: RunDir, run_id: str, config: ExperimentConfig, runlog: RunLog) -> dict[str, Any]:
@@ -217,7 +217,7 @@ def _run(grid: Grid, run_dir: RunDir, run_id: str, config: ExperimentConfig, run
     runlog.log_event(run_id=run_id, kind="federation-ready", round=0, detail={"datacenters": sorted(nodes)})
     run_started = time.perf_counter()
     totals = {"bytes_up": 0, "bytes_down": 0}
-    trainer_pids: dict[str, list[int]] = {name: [] for name in nodes}
+    worker_pids: dict[str, list[list[int]]] = {name: [] for name in nodes}
     links = {name: LedgerReader(run_dir.link_ledger(name)) for name in nodes}
     val_loss = val_accuracy = float("nan")
     needed = config.run.min_replies or len(nodes)
@@ -251,11 +251,11 @@ def _run(grid: Grid, run_dir: RunDir, run_id: str, config: ExperimentConfig, run
             if outcome.row["status"] != "ok":
                 runlog.log_event(run_id=run_id, kind=outcome.row["status"], round=server_round, datacenter=name,
                                  detail=outcome.row["reason"])
-            if outcome.trainer_pid is not None:
-                if trainer_pids[name] and trainer_pids[name][-1] != outcome.trainer_pid:
+            if outcome.worker_pids is not None:
+                if worker_pids[name] and worker_pids[name][-1] != list(outcome.worker_pids):
                     runlog.log_event(run_id=run_id, kind="trainer-restarted", round=server_round, datacenter=name,
-                                     detail={"before": trainer_pids[name][-1], "now": outcome.trainer_pid})
-                trainer_pids[name].append(outcome.trainer_pid)
+                                     detail={"before": worker_pids[name][-1], "now": list(outcome.worker_pids)})
+                worker_pids[name].append(list(outcome.worker_pids))
         accepted = [ClientUpdate(name, j.update.delta, j.update.num_examples, j.update.metrics)
                     for name, j in judged.items() if j.update is not None]
         replied = sum(j.replied for j in judged.values())
@@ -318,5 +318,5 @@ def _run(grid: Grid, run_dir: RunDir, run_id: str, config: ExperimentConfig, run
         "bytes_up_total": totals["bytes_up"],
         "bytes_down_total": totals["bytes_down"],
         "wall_s": time.perf_counter() - run_started,
-        "trainer_pids": trainer_pids,
+        "worker_pids": worker_pids,
     }

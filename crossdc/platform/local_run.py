@@ -41,7 +41,7 @@ from crossdc.platform.rundir import RunDir
 log = logging.getLogger("crossdc.local_run")
 
 HOST = "127.0.0.1"
-TRAINER_START_TIMEOUT_S = 180.0
+TRAINER_START_TIMEOUT_S = 300.0
 #: how often Flower's own run status is checked, and how long SQL may lag behind Flower's "finished"
 FLOWER_CHECK_S = 10.0
 FLOWER_END_GRACE_S = 5.0
@@ -71,7 +71,7 @@ class LocalRunResult:
     run_id: str
     summary: dict[str, Any]
     run_dir: Path
-    trainer_pids: dict[str, int] = field(default_factory=dict)
+    worker_pids: dict[str, list[int]] = field(default_factory=dict)  # each datacenter's worker group, rank 0 first
     child_pids: list[int] = field(default_factory=list)
 
 
@@ -111,7 +111,7 @@ class LocalRun:
         self.run_id = options.run_id or uuid.uuid4().hex
         self.run_dir = RunDir(Path(options.runs_root).resolve() / self.run_id)
         self.processes = ProcessGroup()
-        self.trainer_pids: dict[str, int] = {}
+        self.worker_pids: dict[str, list[int]] = {}
         self.relays: dict[str, LinkRelay] = {}
         self.faults_done: set[int] = set()
 
@@ -146,7 +146,7 @@ class LocalRun:
                     raise RunFailed(f"trainer of '{name}' exited at start-up (code {managed.process.returncode}); see {managed.log_path}")
                 try:
                     answer = call_trainer(self.run_dir.trainer_socket(name), authkey, {"op": "ping"}, connect_timeout_s=1.0)
-                    self.trainer_pids[name] = int(answer["pid"])
+                    self.worker_pids[name] = [int(pid) for pid in answer["worker_pids"]]
                     break
                 except TrainerUnavailable:
                     if time.monotonic() > deadline:
@@ -294,7 +294,7 @@ class LocalRun:
                 flower_run_id = self.submit()
                 summary = self.wait(flower_run_id)
                 summary.setdefault("flower_run_id", str(flower_run_id))
-            return LocalRunResult(self.run_id, summary, self.run_dir.path, dict(self.trainer_pids), self.processes.pids())
+            return LocalRunResult(self.run_id, summary, self.run_dir.path, dict(self.worker_pids), self.processes.pids())
         except KeyboardInterrupt:
             if prepared:  # recorded before the teardown, so the ServerApp's own view cannot overwrite it
                 self._mark_ended("interrupted", "interrupted by the operator (Ctrl-C)")

@@ -79,7 +79,7 @@ class ProcessGroup:
         log_file = open(log_path, "ab")
         process = subprocess.Popen(
             command, stdout=log_file, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
-            env=env, cwd=cwd, start_new_session=True, preexec_fn=_die_with_parent,
+            env=env, cwd=cwd, start_new_session=True, preexec_fn=die_with_parent,
         )
         managed = ManagedProcess(name, process, log_path, log_file)
         self.processes.append(managed)
@@ -109,7 +109,7 @@ class ProcessGroup:
         self.processes.clear()
 
 
-def _die_with_parent() -> None:
+def die_with_parent() -> None:
     """In the child, before exec: ask the kernel for SIGTERM when the starting process dies (even by SIGKILL)."""
     if _LIBC is not None:  # elsewhere than Linux the orchestrator's own clean-up still applies
         _LIBC.prctl(_PR_SET_PDEATHSIG, signal.SIGTERM)

@@ -1,0 +1,91 @@
+"""A non-zero local rank of a datacenter's worker group (see crossdc.clients.trainer).
+
+Started by rank 0 (the trainer that talks to the ClientApp) with its rank, the group size and a
+rendezvous file; builds the same local trainer on its slice of every global batch and follows
+rank 0's commands, received by broadcast, until told to stop or until rank 0 goes away.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import os
+from datetime import timedelta
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+
+from crossdc.clients.local_training import LocalTrainer
+from crossdc.clients.state_store import DatacenterStateStore
+from crossdc.platform.config import parse_config
+from crossdc.platform.experiment import build_workload, datacenter_seed
+from crossdc.platform.rundir import RunDir
+
+log = logging.getLogger("crossdc.worker")
+
+GROUP_TIMEOUT = timedelta(seconds=120)
+#: the state-store key the group's local trainer state lives under (written by rank 0 only)
+TRAINER_STATE_KEY = "local-trainer"
+
+
+def build_rank(run_dir: RunDir, datacenter: str, rank: int, world: int) -> tuple[LocalTrainer, DatacenterStateStore, int]:
+    """This rank's local trainer, restored from the datacenter's state store; (trainer, store, last round)."""
+    settings = run_dir.settings()
+    config = parse_config(settings["config"])
+    workload = build_workload(config)
+    w = config.workload
+    trainer = LocalTrainer(workload, workload.shard(datacenter), w.batch_size, w.optimizer, w.lr,
+                           datacenter_seed(config, datacenter), rank=rank, world=world)
+    store = DatacenterStateStore(run_dir.state_root, settings["run_id"], datacenter)
+    last_round = 0
+    stored = store.load(TRAINER_STATE_KEY)
+    if stored is not None:
+        state, last_round = stored
+        trainer.load_state_dict(state)
+    return trainer, store, last_round
+
+
+def backend() -> str:
+    return "nccl" if torch.cuda.is_available() else "gloo"
+
+
+def follow(trainer: LocalTrainer) -> None:
+    """Run rank 0's commands until "stop"."""
+    while True:
+        box: list[object] = [None]
+        dist.broadcast_object_list(box, src=0)
+        command = box[0]
+        if not isinstance(command, dict) or command.get("op") == "stop":
+            return
+        if command.get("op") == "train":
+            trainer.set_weights(command["weights"])
+            trainer.train_steps(int(command["tau"]))
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description="crossdc local worker (a non-zero rank of a datacenter's group)")
+    parser.add_argument("--run-dir", required=True)
+    parser.add_argument("--datacenter", required=True)
+    parser.add_argument("--rank", type=int, required=True)
+    parser.add_argument("--world", type=int, required=True)
+    parser.add_argument("--rendezvous", required=True)
+    args = parser.parse_args(argv)
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
+    torch.set_num_threads(max(1, int(os.environ.get("CROSSDC_TRAINER_THREADS", "1"))))
+    dist.init_process_group(backend(), init_method=f"file://{args.rendezvous}", rank=args.rank, world_size=args.world,
+                            timeout=GROUP_TIMEOUT)
+    try:
+        trainer, _, _ = build_rank(RunDir(Path(args.run_dir)), args.datacenter, args.rank, args.world)
+        follow(trainer)
+    except Exception as err:  # rank 0 went away or the group broke: this rank ends, rank 0 decides
+        log.warning("rank %d of %s stops: %s", args.rank, args.datacenter, err)
+    finally:
+        try:
+            dist.destroy_process_group()
+        except Exception:
+            pass
+
+
+if __name__ == "__main__":
+    main()

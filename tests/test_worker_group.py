@@ -1,0 +1,176 @@
+"""A datacenter's worker group: W local ranks with DistributedDataParallel (gloo on this CPU machine)."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from crossdc.clients.channel import TrainerFailed, call_trainer
+from crossdc.platform.config import parse_config
+from crossdc.platform.experiment import build_workload, initial_model
+from crossdc.clients.local_training import model_weights
+from crossdc.platform.rundir import RunDir
+
+
+def experiment(optimizer: str, workers: int) -> dict:
+    return {
+        "run": {"name": "group", "rounds": 3, "seed": 3},
+        "workload": {"dataset": "synthetic", "model": "mlp", "partition": {"kind": "iid"}, "batch_size": 32,
+                     "optimizer": optimizer, "lr": 0.05},
+        "strategy": {"name": "fedavg", "tau": 4},
+        "datacenters": [{"name": "dc-a", "workers": workers}],
+    }
+
+
+class TrainerService:
+    """The real persistent trainer of one datacenter, started as `crossdc run` starts it."""
+
+    def __init__(self, root: Path, doc: dict) -> None:
+        self.run_dir = RunDir(root)
+        self.run_dir.create({"run_id": "group-test", "db_url": "sqlite://", "config": doc})
+        self.process = subprocess.Popen([sys.executable, "-m", "crossdc.clients.trainer", "--run-dir", str(root), "--datacenter", "dc-a"],
+                                        stdout=open(root / "trainer.log", "wb"), stderr=subprocess.STDOUT)
+
+    def call(self, request: dict) -> dict:
+        return call_trainer(self.run_dir.trainer_socket("dc-a"), self.run_dir.authkey(), request, connect_timeout_s=120)
+
+    def close(self) -> None:
+        self.process.send_signal(signal.SIGTERM)
+        self.process.wait(timeout=60)
+        self.run_dir.remove_sockets()
+
+
+def initial_weights(doc: dict) -> dict[str, np.ndarray]:
+    config = parse_config(doc)
+    return model_weights(initial_model(config, build_workload(config)))
+
+
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("optimizer", ["sgd", "adamw"])
+def test_two_ranks_equal_one_process_on_the_same_global_batch(optimizer: str, tmp_path: Path) -> None:
+    weights = initial_weights(experiment(optimizer, 1))
+    deltas = {}
+    for workers in (1, 2):
+        service = TrainerService(tmp_path / f"w{workers}", experiment(optimizer, workers))
+        try:
+            ping = service.call({"op": "ping"})
+            assert len(ping["worker_pids"]) == workers
+            answers = [service.call({"op": "train", "run_id": "group-test", "round": r, "tau": 4, "weights": weights}) for r in (1, 2)]
+            assert answers[0]["metrics"]["worker-pids"] == answers[1]["metrics"]["worker-pids"] == ping["worker_pids"]  # the group lives across rounds
+            assert answers[1]["metrics"]["num-examples"] == 4 * 32
+            deltas[workers] = answers[1]["delta"]
+        finally:
+            service.close()
+        assert all(not _alive(pid) for pid in ping["worker_pids"])
+    for name in deltas[1]:
+        np.testing.assert_allclose(deltas[2][name], deltas[1][name], atol=2e-6, rtol=1e-4)
+    assert any(np.abs(d).max() > 1e-3 for d in deltas[1].values())  # it trained
+
+
+@pytest.mark.timeout(300)
+def test_a_dead_rank_fails_the_round_and_the_next_round_works(tmp_path: Path) -> None:
+    doc = experiment("adamw", 2)
+    weights = initial_weights(doc)
+    service = TrainerService(tmp_path / "group", doc)
+    try:
+        first = service.call({"op": "ping"})["worker_pids"]
+        os.kill(first[1], signal.SIGKILL)
+        time.sleep(0.5)
+        with pytest.raises(TrainerFailed, match="local training failed on dc-a"):
+            service.call({"op": "train", "run_id": "group-test", "round": 1, "tau": 2, "weights": weights})
+        answer = service.call({"op": "train", "run_id": "group-test", "round": 2, "tau": 2, "weights": weights})
+        assert answer["ok"] and answer["metrics"]["worker-pids"][0] == first[0] and answer["metrics"]["worker-pids"][1] != first[1]
+    finally:
+        service.close()
+
+
+def _alive(pid: int) -> bool:
+    try:
+        state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[-1].split()[0]
+    except OSError:
+        return False
+    return state not in ("Z", "X")
+
+
+GROUP_FEDERATION = {
+    "run": {"name": "ddp-federation", "rounds": 4, "seed": 0, "min_replies": 1},
+    "workload": {"dataset": "synthetic", "model": "mlp", "partition": {"kind": "iid"}, "batch_size": 32, "optimizer": "adamw", "lr": 0.01},
+    "strategy": {"name": "fedavg", "tau": 3},
+    "datacenters": [{"name": "us-east", "workers": 2}, {"name": "eu-west", "workers": 2}],
+}
+
+
+def _worker_pids_of(run_dir_root: Path, datacenter: str) -> list[int]:
+    """Pids of the live non-zero ranks of `datacenter` (processes running crossdc.clients.worker for it)."""
+    found = []
+    for entry in Path("/proc").iterdir():
+        if entry.name.isdigit():
+            try:
+                cmd = (entry / "cmdline").read_bytes().split(b"\0")
+            except OSError:
+                continue
+            if b"crossdc.clients.worker" in cmd and datacenter.encode() in cmd and str(run_dir_root).encode() in b" ".join(cmd) and _alive(int(entry.name)):
+                found.append(int(entry.name))
+    return found
+
+
+@pytest.mark.deployment
+@pytest.mark.timeout(400)
+def test_federation_with_two_ranks_per_datacenter_survives_a_killed_rank(tmp_path: Path) -> None:
+    """Deployment Engine, 2 datacenters × 2 ranks: the groups live across rounds; a rank killed after round 1
+    fails its datacenter's next round only; a fresh group serves the rounds after; nothing survives the run."""
+    import threading
+
+    from conftest import read_run
+    from crossdc.db.queries import list_rounds, list_runs
+    from crossdc.db.engine import make_engine
+    from crossdc.platform.local_run import RUN_MARKER_ENV, LocalRunOptions, run_local
+    from crossdc.platform.processes import free_port, processes_with_env
+
+    db_url = f"sqlite:///{tmp_path / 'ddp.db'}"
+    runs = tmp_path / "runs"
+    killed: list[int] = []
+
+    def kill_a_rank_after_round_one() -> None:
+        engine = make_engine(db_url)
+        try:
+            deadline = time.monotonic() + 300
+            while time.monotonic() < deadline:
+                try:
+                    ids = [r["id"] for r in list_runs(engine)]
+                    done = ids and list_rounds(engine, ids[0])
+                except Exception:
+                    done = False
+                if done:
+                    for pid in _worker_pids_of(runs, "eu-west"):
+                        os.kill(pid, signal.SIGKILL)
+                        killed.append(pid)
+                    return
+                time.sleep(0.2)
+        finally:
+            engine.dispose()
+
+    killer = threading.Thread(target=kill_a_rank_after_round_one, daemon=True)
+    killer.start()
+    result = run_local(parse_config(GROUP_FEDERATION), LocalRunOptions(db_url=db_url, superlink_port=free_port(), runs_root=runs))
+    killer.join(timeout=10)
+    assert killed, "no rank was killed: the test would prove nothing"
+    logged = read_run(db_url, result.run_id)
+    assert logged["run"]["status"] == "finished"
+    pids = result.summary["worker_pids"]
+    assert len(pids["us-east"]) == 4 and all(p == pids["us-east"][0] and len(p) == 2 for p in pids["us-east"])
+    eu = sorted((r for r in logged["dc_rounds"] if r["datacenter"] == "eu-west"), key=lambda r: r["round"])
+    failed = [r for r in eu if r["status"] == "failed"]
+    assert len(failed) == 1 and "local training failed on eu-west" in failed[0]["reason"], [(r["round"], r["status"]) for r in eu]
+    assert all(r["status"] == "ok" for r in eu if r["round"] > failed[0]["round"])
+    assert any(e["kind"] == "failed" and e["datacenter"] == "eu-west" for e in logged["events"])
+    everyone = [p for group in result.worker_pids.values() for p in group] + [p for g in pids["eu-west"] for p in g]
+    assert [p for p in everyone if _alive(p)] == []
+    assert processes_with_env(RUN_MARKER_ENV, str(result.run_dir)) == []
