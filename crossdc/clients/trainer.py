@@ -45,7 +45,7 @@ class DatacenterTrainer:
     """Handles requests for one datacenter of one run, as rank 0 of its worker group.
 
     With `workers` W > 1 it starts W − 1 worker processes (crossdc.clients.worker), joins them in a
-    torch.distributed group (NCCL on GPUs, gloo on CPUs) and broadcasts each round's command; the
+    torch.distributed group (gloo; GPU placement with NCCL is not built yet) and broadcasts each round's command; the
     group lives across rounds. If a rank fails, the round fails cleanly (an error for the ClientApp,
     so the server records that datacenter's failure), every rank of the group is stopped, and a new
     group is started from the state store for the next round.

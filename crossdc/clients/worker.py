@@ -1,7 +1,7 @@
 """A non-zero local rank of a datacenter's worker group (see crossdc.clients.trainer).
 
 Started by rank 0 (the trainer that talks to the ClientApp) with its rank, the group size and a
-rendezvous file; builds the same local trainer on its slice of every global batch and follows
+rendezvous file; builds the same local trainer on its slice of every global batch (CPU, gloo) and follows
 rank 0's commands, received by broadcast, until told to stop or until rank 0 goes away.
 """
 
@@ -47,7 +47,12 @@ def build_rank(run_dir: RunDir, datacenter: str, rank: int, world: int) -> tuple
 
 
 def backend() -> str:
-    return "nccl" if torch.cuda.is_available() else "gloo"
+    """The collective backend of the group: gloo, since local training runs on CPU tensors for now.
+
+    Device placement (one rank per GPU, NCCL, bf16 autocast) is not built yet: choosing NCCL while
+    the model stays on the CPU would fail at the first collective.
+    """
+    return "gloo"
 
 
 def follow(trainer: LocalTrainer) -> None:
