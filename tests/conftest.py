@@ -14,6 +14,7 @@ import pytest
 from sqlalchemy.engine import make_url
 
 from crossdc.db.engine import make_engine, upgrade
+from crossdc.platform.processes import is_running
 from crossdc.db.queries import get_run, list_datacenter_rounds, list_events, list_rounds
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
@@ -49,6 +50,21 @@ def read_run(db_url: str, run_id: str) -> dict[str, Any]:
                 "dc_rounds": list_datacenter_rounds(engine, run_id), "events": list_events(engine, run_id)}
     finally:
         engine.dispose()
+
+
+def processes_mentioning(*texts: str) -> list[str]:
+    """"pid: command line" of live processes (not this one) whose command line contains every one of `texts`."""
+    found = []
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit() or int(entry.name) == os.getpid():
+            continue
+        try:
+            cmdline = (entry / "cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace")
+        except OSError:
+            continue
+        if all(text in cmdline for text in texts) and is_running(int(entry.name)):
+            found.append(f"{entry.name}: {cmdline}")
+    return found
 
 
 def via_relay(url: str, relay: TcpRelay) -> str:

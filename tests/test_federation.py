@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import os
 import signal
 import subprocess
 import sys
@@ -13,37 +12,13 @@ import pytest
 
 from crossdc.db.engine import make_engine
 from crossdc.db.queries import get_run, list_rounds, parse_flower_run_ids
-from conftest import read_run
+from conftest import processes_mentioning, read_run
 from crossdc.platform.config import load_config, with_rounds
 from crossdc.platform.local_run import RUN_MARKER_ENV, LocalRunOptions, run_local
-from crossdc.platform.processes import ensure_port_free, free_port, processes_with_env
+from crossdc.platform.processes import ensure_port_free, free_port, is_running, processes_with_env
 
 REPO = Path(__file__).resolve().parents[1]
 CONFIG = REPO / "examples" / "synthetic-2dc.toml"
-
-
-def _alive(pid: int) -> bool:
-    """True if `pid` exists and is not a zombie."""
-    try:
-        state = Path(f"/proc/{pid}/stat").read_text().split(")")[-1].split()[0]
-    except (FileNotFoundError, ProcessLookupError):
-        return False
-    return state != "Z"
-
-
-def _processes_mentioning(text: str) -> list[str]:
-    """Command lines of live processes that contain `text`."""
-    found = []
-    for entry in Path("/proc").iterdir():
-        if not entry.name.isdigit() or int(entry.name) == os.getpid():
-            continue
-        try:
-            cmdline = (entry / "cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace")
-        except OSError:
-            continue
-        if text in cmdline and _alive(int(entry.name)):
-            found.append(f"{entry.name}: {cmdline}")
-    return found
 
 
 @pytest.fixture(scope="module")
@@ -107,8 +82,8 @@ def test_the_same_trainer_process_serves_every_round(deployment_run: dict) -> No
 def test_no_process_survives_the_run(deployment_run: dict) -> None:
     result = deployment_run["result"]
     assert result.child_pids, "the run should have started processes"
-    assert [pid for pid in result.child_pids if _alive(pid)] == []
-    assert _processes_mentioning(str(result.run_dir)) == []
+    assert [pid for pid in result.child_pids if is_running(pid)] == []
+    assert processes_mentioning(str(result.run_dir)) == []
     # what Flower spawned detached (its SuperExec, the ServerApp, ClientApps) carries the run's marker
     assert processes_with_env(RUN_MARKER_ENV, str(result.run_dir)) == []
     ensure_port_free("127.0.0.1", deployment_run["port"])  # nothing listens on the SuperLink's port any more
@@ -139,7 +114,7 @@ def test_ctrl_c_stops_everything_and_marks_the_run_interrupted(tmp_path: Path) -
         assert process.returncode == 130, stderr
         assert "Traceback" not in stderr
         assert get_run(engine, run_id)["status"] == "interrupted"
-        assert _processes_mentioning(str(runs)) == []
+        assert processes_mentioning(str(runs)) == []
         assert processes_with_env(RUN_MARKER_ENV, str(runs / run_id)) == []
     finally:
         engine.dispose()
@@ -159,7 +134,7 @@ def test_simulation_engine_runs_the_same_apps(tmp_path: Path) -> None:
     assert len(dc_rounds) == 6 and all(r["status"] == "ok" for r in dc_rounds)
     assert all(r["comm_s"] is None for r in dc_rounds)  # no link under simulation: not measured, not invented
     assert rounds[-1]["val_loss"] < rounds[0]["val_loss"]
-    assert [pid for pid in result.child_pids if _alive(pid)] == []
+    assert [pid for pid in result.child_pids if is_running(pid)] == []
 
 
 WAN_CONFIG = """

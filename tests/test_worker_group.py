@@ -16,7 +16,10 @@ from crossdc.clients.channel import TrainerFailed, call_trainer
 from crossdc.platform.config import parse_config
 from crossdc.platform.experiment import build_workload, initial_model
 from crossdc.clients.local_training import model_weights
+from crossdc.platform.processes import is_running
 from crossdc.platform.rundir import RunDir
+
+from conftest import processes_mentioning  # tests/ is on sys.path
 
 
 def experiment(optimizer: str, workers: int) -> dict:
@@ -68,7 +71,7 @@ def test_two_ranks_equal_one_process_on_the_same_global_batch(optimizer: str, tm
             deltas[workers] = answers[1]["delta"]
         finally:
             service.close()
-        assert all(not _alive(pid) for pid in ping["worker_pids"])
+        assert all(not is_running(pid) for pid in ping["worker_pids"])
     for name in deltas[1]:
         np.testing.assert_allclose(deltas[2][name], deltas[1][name], atol=2e-6, rtol=1e-4)
     assert any(np.abs(d).max() > 1e-3 for d in deltas[1].values())  # it trained
@@ -91,14 +94,6 @@ def test_a_dead_rank_fails_the_round_and_the_next_round_works(tmp_path: Path) ->
         service.close()
 
 
-def _alive(pid: int) -> bool:
-    try:
-        state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[-1].split()[0]
-    except OSError:
-        return False
-    return state not in ("Z", "X")
-
-
 GROUP_FEDERATION = {
     "run": {"name": "ddp-federation", "rounds": 4, "seed": 0, "min_replies": 1},
     "workload": {"dataset": "synthetic", "model": "mlp", "partition": {"kind": "iid"}, "batch_size": 32, "optimizer": "adamw", "lr": 0.01},
@@ -109,16 +104,8 @@ GROUP_FEDERATION = {
 
 def _worker_pids_of(run_dir_root: Path, datacenter: str) -> list[int]:
     """Pids of the live non-zero ranks of `datacenter` (processes running crossdc.clients.worker for it)."""
-    found = []
-    for entry in Path("/proc").iterdir():
-        if entry.name.isdigit():
-            try:
-                cmd = (entry / "cmdline").read_bytes().split(b"\0")
-            except OSError:
-                continue
-            if b"crossdc.clients.worker" in cmd and datacenter.encode() in cmd and str(run_dir_root).encode() in b" ".join(cmd) and _alive(int(entry.name)):
-                found.append(int(entry.name))
-    return found
+    found = processes_mentioning("crossdc.clients.worker", f"--datacenter {datacenter} ", str(run_dir_root))
+    return [int(line.split(":", 1)[0]) for line in found]
 
 
 @pytest.mark.deployment
@@ -172,5 +159,5 @@ def test_federation_with_two_ranks_per_datacenter_survives_a_killed_rank(tmp_pat
     assert all(r["status"] == "ok" for r in eu if r["round"] > failed[0]["round"])
     assert any(e["kind"] == "failed" and e["datacenter"] == "eu-west" for e in logged["events"])
     everyone = [p for group in result.worker_pids.values() for p in group] + [p for g in pids["eu-west"] for p in g]
-    assert [p for p in everyone if _alive(p)] == []
+    assert [p for p in everyone if is_running(p)] == []
     assert processes_with_env(RUN_MARKER_ENV, str(result.run_dir)) == []

@@ -136,15 +136,16 @@ def kill_processes_with_env(name: str, value: str, grace_s: float = 5.0) -> list
     for pid in pids:
         _signal_pid(pid, signal.SIGTERM)
     deadline = time.monotonic() + grace_s
-    while time.monotonic() < deadline and any(_running(pid) for pid in pids):
+    while time.monotonic() < deadline and any(is_running(pid) for pid in pids):
         time.sleep(0.1)
     for pid in pids:
-        if _running(pid):
+        if is_running(pid):
             _signal_pid(pid, signal.SIGKILL)
     return pids
 
 
-def _running(pid: int) -> bool:
+def is_running(pid: int) -> bool:
+    """True if `pid` exists and is neither a zombie nor dead."""
     try:
         state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[-1].split()[0]
     except OSError:
