@@ -223,7 +223,7 @@ def strategies_list(as_json: bool = typer.Option(False, "--json")) -> None:
             "name": name,
             "source": "built-in" if origin[name].startswith("crossdc.") else "plug-in",
             "class": origin[name],
-            "parameters": {k: {"default": d, "help": h} for k, (d, h) in cls.parameters.items()},
+            "parameters": {k: spec.describe() for k, spec in cls.parameters.items()},
             "summary": (cls.__doc__ or "").strip().splitlines()[0],
         })
     if as_json:
