@@ -1,0 +1,183 @@
+"""The codec interface, the spelling of codecs in a config, and the registry that finds them.
+
+A codec is one stage of the pipeline that turns a datacenter's update into what crosses the WAN:
+
+- a **structure** codec (top-k, PowerSGD) decides *which* numbers are sent: it maps a dense tensor to
+  dense values, kept positions + values, or low-rank factors;
+- a **values** codec (int8, QSGD) decides *how* each sent number is written: it maps a float vector to
+  integer codes with float32 scales.
+
+A pipeline holds at most one of each, structure first (``["topk:0.01", "int8"]``: sparsify, then
+quantise the surviving values). Spelling (DESIGN.md): ``"name[:arg][:key=value]..."``; the bare
+``arg`` sets the codec's positional parameter (top-k's ``fraction``, PowerSGD's ``rank``, QSGD's
+``levels``). Codecs are found through the entry-point group ``crossdc.codecs`` (built-ins register
+the same way) and, for code in the same process, the :func:`register_codec` decorator.
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from dataclasses import dataclass
+from importlib.metadata import entry_points
+from typing import Any, ClassVar
+
+import torch
+
+from crossdc.compression.wire import CodecError, EncodedTensor, Values
+from crossdc.parameters import Parameter, ParameterError, check_parameters
+
+ENTRY_POINT_GROUP = "crossdc.codecs"
+STRUCTURE, VALUES = "structure", "values"
+
+#: per-tensor state a codec keeps between rounds (saved in the datacenter's state store)
+TensorState = dict[str, torch.Tensor]
+
+
+class CodecConfigError(ValueError):
+    """A codec spelled wrongly in a config: unknown name, bad parameter, impossible combination."""
+
+
+class Codec(ABC):
+    """Base of all codecs: declared parameters, checked at construction."""
+
+    name: ClassVar[str]
+    stage: ClassVar[str]
+    parameters: ClassVar[dict[str, Parameter]] = {}
+    #: the parameter a bare ``name:arg`` sets
+    positional: ClassVar[str | None] = None
+    #: whether the pipeline keeps an error-feedback residual for this codec unless told otherwise (``ef=false``)
+    error_feedback: ClassVar[bool] = False
+
+    def __init__(self, **params: Any) -> None:
+        try:
+            self.params = check_parameters(f"codec '{self.name}'", self.parameters, params)
+        except ParameterError as err:
+            raise CodecConfigError(str(err)) from None
+
+    def spec(self) -> str:
+        """This codec spelled as in a config, with every parameter."""
+        return ":".join([self.name] + [f"{k}={v}" for k, v in self.params.items()])
+
+
+class StructureCodec(Codec):
+    """Decides which numbers of a tensor are sent."""
+
+    stage = STRUCTURE
+
+    @abstractmethod
+    def compress(self, name: str, tensor: torch.Tensor, state: TensorState, server_round: int) -> EncodedTensor:
+        """`tensor` (float32, its real shape) as an encoded tensor whose parts are plain float32 values."""
+
+    def after_send(self, name: str, tensor: torch.Tensor, sent: torch.Tensor, state: TensorState) -> None:
+        """Called with what was actually sent (dense, decoded) once a tensor is encoded; default: nothing."""
+
+    def prepare(self, name: str, update: torch.Tensor, state: TensorState) -> torch.Tensor:
+        """What of this round's update enters the error-feedback accumulator (default: the update itself)."""
+        return update
+
+
+class ValuesCodec(Codec):
+    """Decides how each sent float is written."""
+
+    stage = VALUES
+
+    @abstractmethod
+    def quantize(self, values: torch.Tensor, generator: torch.Generator | None) -> Values:
+        """A flat float32 vector as codes + scales."""
+
+
+@dataclass(frozen=True)
+class CodecSpec:
+    """A parsed ``"name[:arg][:key=value]"``."""
+
+    name: str
+    params: dict[str, Any]
+
+
+def _value(text: str) -> Any:
+    lowered = text.strip().lower()
+    if lowered in ("true", "false"):
+        return lowered == "true"
+    for kind in (int, float):
+        try:
+            return kind(text)
+        except ValueError:
+            pass
+    return text.strip()
+
+
+def parse_spec(text: str, positional: str | None) -> CodecSpec:
+    """Parse one codec spelling; `positional` names the parameter a bare argument sets."""
+    if not isinstance(text, str) or not text.strip():
+        raise CodecConfigError(f"a codec must be a non-empty string like 'topk:0.01', got {text!r}")
+    name, *args = [part.strip() for part in text.split(":")]
+    params: dict[str, Any] = {}
+    for position, arg in enumerate(args):
+        if "=" in arg:
+            key, _, value = arg.partition("=")
+            params[key.strip()] = _value(value)
+        elif position == 0 and positional is not None:
+            params[positional] = _value(arg)
+        else:
+            raise CodecConfigError(f"codec '{text}': '{arg}' must be key=value")
+    return CodecSpec(name, params)
+
+
+_REGISTERED: dict[str, type[Codec]] = {}
+
+
+def register_codec(cls: type[Codec]) -> type[Codec]:
+    """Class decorator: make a codec defined in this process available by its ``name``."""
+    if not (isinstance(cls, type) and issubclass(cls, Codec)):
+        raise TypeError(f"{cls!r} is not a crossdc Codec subclass")
+    _REGISTERED[cls.name] = cls
+    return cls
+
+
+def available_codecs() -> dict[str, type[Codec]]:
+    """Name → class of every codec: entry points of ``crossdc.codecs``, then in-process registrations."""
+    found: dict[str, type[Codec]] = {}
+    for ep in entry_points(group=ENTRY_POINT_GROUP):
+        try:
+            cls = ep.load()
+        except Exception as err:
+            raise CodecConfigError(f"codec plug-in '{ep.name}' ({ep.value}) failed to load: {err}") from err
+        if not (isinstance(cls, type) and issubclass(cls, Codec)):
+            raise CodecConfigError(f"codec plug-in '{ep.name}' ({ep.value}) is not a crossdc Codec subclass")
+        found[ep.name] = cls
+    found.update(_REGISTERED)
+    return found
+
+
+def build_codec(text: str, codecs: dict[str, type[Codec]] | None = None) -> Codec:
+    """The codec a config spells as `text`; CodecConfigError naming the codec and parameter otherwise."""
+    codecs = available_codecs() if codecs is None else codecs
+    name = text.split(":", 1)[0].strip() if isinstance(text, str) else text
+    if name not in codecs:
+        raise CodecConfigError(f"unknown codec '{name}'; known: {', '.join(sorted(codecs)) or 'none'}")
+    cls = codecs[name]
+    spec = parse_spec(text, cls.positional)
+    return cls(**spec.params)
+
+
+def describe_codecs() -> list[dict[str, Any]]:
+    """One JSON-able row per registered codec (CLI and API)."""
+    origin = {ep.name: ep.value for ep in entry_points(group=ENTRY_POINT_GROUP)}
+    rows = []
+    for name, cls in sorted(available_codecs().items()):
+        value = origin.get(name, f"{cls.__module__}:{cls.__qualname__}")
+        rows.append({
+            "name": name,
+            "stage": cls.stage,
+            "source": "built-in" if value.startswith("crossdc.") else "plug-in",
+            "class": value,
+            "positional": cls.positional,
+            "error_feedback": cls.error_feedback,
+            "parameters": {k: p.describe() for k, p in cls.parameters.items()},
+            "summary": (cls.__doc__ or "").strip().splitlines()[0] if cls.__doc__ else "",
+        })
+    return rows
+
+
+__all__ = ["Codec", "CodecConfigError", "CodecError", "CodecSpec", "StructureCodec", "ValuesCodec", "available_codecs",
+           "build_codec", "describe_codecs", "parse_spec", "register_codec"]

@@ -1,0 +1,209 @@
+"""A codec pipeline: what a datacenter's update becomes on the WAN, and back.
+
+``CodecPipeline(["topk:0.01", "int8"])`` promises, per round:
+
+- :meth:`~CodecPipeline.encode` turns an update (name → float32 tensor) into one payload (bytes) whose
+  length is what crosses the WAN (all framing included), and returns what the receiver will decode;
+- with error feedback (on when any codec asks for it, e.g. top-k and PowerSGD), the pipeline keeps a
+  residual per tensor: the update plus the previous residual is encoded, and what was not sent becomes
+  the new residual — so over any number of rounds, the sum of decoded payloads plus the final residual
+  equals the sum of the updates (to float rounding);
+- per tensor, sparse positions are sent only when that is cheaper than sending every value;
+- its state (residuals, DGC velocity, PowerSGD's Q) comes out of :meth:`state_dict` for the
+  datacenter's durable state store and goes back with :meth:`load_state_dict`.
+
+:func:`decode_payload` is the receiving side: stateless, and strict — a payload that is truncated,
+corrupted, names other tensors or shapes than expected, or holds NaN/Inf raises :class:`CodecError`.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+import torch
+
+from crossdc.compression.base import Codec, CodecConfigError, StructureCodec, TensorState, ValuesCodec, build_codec
+from crossdc.compression.index_coding import IndexCodingError, bitmap_size, decode_positions, encode_positions, varint_size
+from crossdc.compression.wire import DENSE, SPARSE, CodecError, EncodedTensor, parse, plain, reconstruct, serialize
+
+#: bytes one value costs on the wire, by values codec (None: float32)
+_VALUE_BYTES = {None: 4.0, "int8": 1.0, "qsgd": 1.0}
+
+
+@dataclass
+class Encoded:
+    """One encoded update: the payload, and what the receiver decodes from it."""
+
+    payload: np.ndarray  # uint8, the exact bytes sent
+    sent: dict[str, torch.Tensor]  # the decoded update (what the receiver gets)
+    energy_kept: float  # ‖sent‖² / ‖update + residual‖²: how much of what was due this round was sent
+    raw_bytes: int  # the same update as dense float32
+    stats: dict[str, Any] = field(default_factory=dict)
+
+    @property
+    def nbytes(self) -> int:
+        return int(self.payload.nbytes)
+
+
+def build_pipeline_codecs(specs: Sequence[str]) -> tuple[StructureCodec | None, ValuesCodec | None]:
+    """The codecs a config's list spells, checked: at most one structure codec, first, and one values codec."""
+    if isinstance(specs, str) or not isinstance(specs, Sequence):
+        raise CodecConfigError(f"codecs must be a list of strings like [\"topk:0.01\", \"int8\"], got {specs!r}")
+    structure: StructureCodec | None = None
+    values: ValuesCodec | None = None
+    for text in specs:
+        codec: Codec = build_codec(text)
+        if isinstance(codec, StructureCodec):
+            if structure is not None:
+                raise CodecConfigError(f"codecs {list(specs)}: '{codec.name}' after '{structure.name}': "
+                                       "at most one structure codec (topk, powersgd) per pipeline")
+            if values is not None:
+                raise CodecConfigError(f"codecs {list(specs)}: '{codec.name}' must come before '{values.name}' "
+                                       "(choose what is sent, then how it is written)")
+            structure = codec
+        elif isinstance(codec, ValuesCodec):
+            if values is not None:
+                raise CodecConfigError(f"codecs {list(specs)}: at most one values codec (int8, qsgd) per pipeline")
+            values = codec
+        else:
+            raise CodecConfigError(f"codec '{codec.name}' is neither a structure nor a values codec")
+    return structure, values
+
+
+class CodecPipeline:
+    """A datacenter's (or the server's downlink) codec pipeline with its per-tensor state."""
+
+    def __init__(self, specs: Sequence[str], seed: int = 0) -> None:
+        self.structure, self.values = build_pipeline_codecs(specs)
+        self.specs = list(specs)
+        self.error_feedback = any(bool(c.params.get("ef", c.error_feedback)) for c in (self.structure, self.values) if c)
+        self.generator = torch.Generator().manual_seed(seed)
+        if self.structure is not None:
+            setattr(self.structure, "generator", self.generator)
+        self.residuals: dict[str, torch.Tensor] = {}
+        self.codec_state: dict[str, TensorState] = {}
+
+    @property
+    def lossless(self) -> bool:
+        return self.structure is None and self.values is None
+
+    def _value_bytes(self) -> float:
+        return _VALUE_BYTES.get(self.values.name if self.values else None, 4.0)
+
+    def _cheaper(self, encoded: EncodedTensor, accumulated: torch.Tensor) -> EncodedTensor:
+        """Dense instead of sparse when sending every value costs no more than positions + kept values."""
+        if encoded.kind != SPARSE or encoded.positions is None:
+            return encoded
+        kept = encoded.positions.numel()
+        sparse_cost = min(varint_size(encoded.positions), bitmap_size(encoded.numel)) + kept * self._value_bytes()
+        if encoded.numel * self._value_bytes() <= sparse_cost:
+            return EncodedTensor(encoded.name, encoded.shape, DENSE, [plain(accumulated)])
+        return encoded
+
+    def encode(self, update: Mapping[str, torch.Tensor], server_round: int) -> Encoded:
+        """Encode one round's update (see the module docstring); CodecError if it holds NaN/Inf."""
+        accumulated: dict[str, torch.Tensor] = {}
+        for name, tensor in update.items():
+            tensor = torch.as_tensor(tensor).to(torch.float32)
+            if not bool(torch.isfinite(tensor).all()):
+                raise CodecError(f"tensor '{name}' of the update contains NaN or Inf")
+            state = self.codec_state.setdefault(name, {})
+            if self.structure is not None:
+                tensor = self.structure.prepare(name, tensor, state)
+            residual = self.residuals.get(name)
+            accumulated[name] = tensor + residual if residual is not None and self.error_feedback else tensor.clone()
+        if self.structure is not None and hasattr(self.structure, "begin_round"):
+            self.structure.begin_round(accumulated, server_round)
+        encoded_tensors: list[EncodedTensor] = []
+        index_bytes: dict[str, tuple[str, torch.Tensor]] = {}
+        sent: dict[str, torch.Tensor] = {}
+        due = kept = 0.0
+        for name, acc in accumulated.items():
+            state = self.codec_state[name]
+            if self.structure is not None:
+                encoded = self._cheaper(self.structure.compress(name, acc, state, server_round), acc)
+            else:
+                encoded = EncodedTensor(name, tuple(acc.shape), DENSE, [plain(acc)])
+            if self.values is not None:
+                encoded.parts = [self.values.quantize(part.codes, self.generator) for part in encoded.parts]
+            if encoded.kind == SPARSE:
+                assert encoded.positions is not None
+                index_bytes[name] = encode_positions(encoded.positions, encoded.numel)
+            decoded = reconstruct(encoded)
+            if self.error_feedback:
+                self.residuals[name] = acc - decoded
+            if self.structure is not None:
+                self.structure.after_send(name, acc, decoded, state)
+            due += float(torch.sum(acc.double() ** 2))
+            kept += float(torch.sum(decoded.double() ** 2))
+            sent[name] = decoded
+            encoded_tensors.append(encoded)
+        payload = serialize(encoded_tensors, index_bytes)
+        raw = sum(4 * t.numel() for t in accumulated.values())
+        kinds = {k: sum(1 for t in encoded_tensors if t.kind == k) for k in ("dense", "sparse", "lowrank")}
+        return Encoded(payload, sent, kept / due if due > 0 else 1.0, raw, {"tensor_kinds": kinds})
+
+    def state_dict(self) -> dict[str, Any]:
+        """Residuals and codec state, for the datacenter's durable state store."""
+        return {"specs": self.specs, "residuals": dict(self.residuals),
+                "codec_state": {k: dict(v) for k, v in self.codec_state.items()},
+                "generator": self.generator.get_state()}
+
+    def load_state_dict(self, state: Mapping[str, Any]) -> None:
+        """Restore :meth:`state_dict`; CodecConfigError if it was written by a different pipeline."""
+        if list(state["specs"]) != self.specs:
+            raise CodecConfigError(f"saved codec state is for {state['specs']}, this pipeline is {self.specs}")
+        self.residuals = dict(state["residuals"])
+        self.codec_state = {k: dict(v) for k, v in state["codec_state"].items()}
+        self.generator.set_state(state["generator"])
+
+
+def decode_payload(payload: np.ndarray | bytes, expected: Mapping[str, tuple[int, ...]],
+                   device: torch.device | str = "cpu") -> dict[str, torch.Tensor]:
+    """The update a payload carries, checked against the expected tensor names and shapes.
+
+    Raises CodecError for a truncated or corrupted payload, missing/unexpected tensors, a wrong shape,
+    positions out of range, or NaN/Inf values.
+    """
+    tensors, index_bytes = parse(payload)
+    names = [t.name for t in tensors]
+    if len(set(names)) != len(names):
+        raise CodecError("a tensor appears twice in the payload")
+    missing = [n for n in expected if n not in names]
+    unexpected = [n for n in names if n not in expected]
+    if missing or unexpected:
+        raise CodecError(f"payload tensors do not match the model: missing {missing[:3]}, unexpected {unexpected[:3]}")
+    result: dict[str, torch.Tensor] = {}
+    for encoded in tensors:
+        if tuple(encoded.shape) != tuple(expected[encoded.name]):
+            raise CodecError(f"tensor '{encoded.name}' has shape {encoded.shape}, expected {tuple(expected[encoded.name])}")
+        try:
+            _check_sizes(encoded)
+            if encoded.kind == SPARSE:
+                kind, data = index_bytes[encoded.name]
+                encoded.positions = decode_positions(kind, data, encoded.parts[0].count, encoded.numel)
+            value = reconstruct(encoded).to(device)
+        except (IndexCodingError, RuntimeError, AssertionError) as err:
+            raise CodecError(f"tensor '{encoded.name}' cannot be decoded: {err}") from None
+        if not bool(torch.isfinite(value).all()):
+            raise CodecError(f"tensor '{encoded.name}' contains NaN or Inf")
+        result[encoded.name] = value
+    return result
+
+
+def _check_sizes(encoded: EncodedTensor) -> None:
+    """The value arrays' sizes must fit the tensor's kind and shape (a forged header must not decode)."""
+    counts = [p.count for p in encoded.parts]
+    if encoded.kind == DENSE and counts != [encoded.numel]:
+        raise CodecError(f"dense tensor '{encoded.name}' carries {counts} values for {encoded.numel} elements")
+    if encoded.kind == SPARSE and (len(counts) != 1 or counts[0] > encoded.numel):
+        raise CodecError(f"sparse tensor '{encoded.name}' carries {counts} values for {encoded.numel} elements")
+    if encoded.kind == "lowrank":
+        assert encoded.matrix is not None
+        rows, cols = encoded.matrix
+        if rows * cols != encoded.numel or len(counts) != 2 or rows == 0 or cols == 0 \
+                or counts[0] % rows or counts[1] % cols or counts[0] // rows != counts[1] // cols:
+            raise CodecError(f"low-rank tensor '{encoded.name}' has factors {counts} that do not fit {encoded.shape}")

@@ -1,0 +1,134 @@
+"""Top-k sparsification with DGC's refinements (Lin et al., 2018, "Deep Gradient Compression").
+
+Keeps the k largest-magnitude entries of each tensor (k = ⌈fraction · numel⌉), or of the whole update
+(``scope=global``). With error feedback (on by default) everything not sent stays in the datacenter's
+residual and is added to the next round's update, so what is eventually sent equals what was produced.
+
+Options, all off by default:
+
+- ``momentum=m``: momentum correction — the codec keeps a velocity u ← m·u + update and accumulates u
+  (not the raw update) into the residual; momentum-factor masking then zeroes u where values were sent.
+- ``clip=c``: local clipping — an update whose L2 norm exceeds c is scaled down to norm c before it
+  is accumulated.
+- ``warmup=R``: sparsity warm-up — the kept fraction starts at 25 % in round 1 and falls geometrically
+  to ``fraction`` at round R + 1 (DGC's 75 % → 93.75 % → … → 99.9 % sparsity).
+
+The codec sees one update per round: with τ = 1 local step that is DGC's per-step form exactly; with
+τ > 1 the round's update plays the role of the gradient.
+
+``threshold``: ``exact`` uses ``torch.topk``; ``sampled`` estimates the k-th magnitude from a random
+sample (DGC's trick) and keeps what lies above it, refined to exactly k when the estimate keeps too
+many; ``auto`` samples for tensors above 2²⁰ elements.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+from crossdc.compression.base import StructureCodec, TensorState
+from crossdc.compression.wire import SPARSE, EncodedTensor, plain
+from crossdc.parameters import Parameter
+
+SAMPLE_ABOVE = 1 << 20
+SAMPLE_SIZE = 1 << 16
+WARMUP_START_FRACTION = 0.25
+
+
+def warmup_fraction(server_round: int, target: float, warmup_rounds: int) -> float:
+    """Kept fraction in `server_round` (1-based): 25 % at round 1, geometric to `target` at warmup_rounds + 1."""
+    if warmup_rounds <= 0 or target >= WARMUP_START_FRACTION or server_round > warmup_rounds:
+        return target
+    progress = (server_round - 1) / warmup_rounds
+    return WARMUP_START_FRACTION * (target / WARMUP_START_FRACTION) ** progress
+
+
+def kept_count(numel: int, fraction: float) -> int:
+    """k for a tensor of `numel` elements: ⌈fraction · numel⌉, at least 1."""
+    return max(1, min(numel, math.ceil(fraction * numel)))
+
+
+def sampled_threshold(magnitudes: torch.Tensor, fraction: float, generator: torch.Generator | None) -> torch.Tensor:
+    """An estimate of the magnitude above which `fraction` of the entries lie, from a random sample."""
+    sample = magnitudes[torch.randint(magnitudes.numel(), (SAMPLE_SIZE,), device=magnitudes.device, generator=generator)]
+    return torch.topk(sample, kept_count(SAMPLE_SIZE, fraction), sorted=False).values.min()
+
+
+def top_positions(magnitudes: torch.Tensor, k: int, threshold: str, generator: torch.Generator | None = None) -> torch.Tensor:
+    """Sorted positions of (about, for ``sampled``: at most 1.25 ×) the k largest `magnitudes` (a flat tensor)."""
+    numel = magnitudes.numel()
+    if k >= numel:
+        return torch.arange(numel, device=magnitudes.device)
+    if threshold == "sampled" or (threshold == "auto" and numel > SAMPLE_ABOVE):
+        cut = sampled_threshold(magnitudes, k / numel, generator)
+        candidates = torch.nonzero(magnitudes >= cut).flatten()
+        if candidates.numel() >= k // 2 and candidates.numel() > 0:
+            if candidates.numel() > 1.25 * k:  # the estimate kept too many: exact top-k among the candidates
+                candidates = candidates[torch.topk(magnitudes[candidates], k, sorted=False).indices]
+            return torch.sort(candidates).values
+    return torch.sort(torch.topk(magnitudes, k, sorted=False).indices).values
+
+
+class TopK(StructureCodec):
+    """Top-k sparsification with error feedback and DGC's momentum correction, clipping and warm-up."""
+
+    name = "topk"
+    positional = "fraction"
+    error_feedback = True
+    parameters = {
+        "fraction": Parameter(float, 0.01, "fraction of each tensor's entries sent (0, 1]", low=1e-9, high=1.0),
+        "scope": Parameter(str, "tensor", "k per tensor, or one threshold for the whole update", choices=("tensor", "global")),
+        "ef": Parameter(bool, True, "keep what is not sent in a residual added to the next update"),
+        "momentum": Parameter(float, 0.0, "DGC momentum correction factor (0 = off)", low=0.0, high=0.999),
+        "clip": Parameter(float, 0.0, "clip each tensor's update to this L2 norm before accumulating (0 = off)", low=0.0),
+        "warmup": Parameter(int, 0, "rounds of sparsity warm-up from 25 % kept to `fraction`", low=0),
+        "threshold": Parameter(str, "auto", "how the k-th magnitude is found", choices=("auto", "exact", "sampled")),
+    }
+
+    def __init__(self, **params: object) -> None:
+        super().__init__(**params)
+        self.generator: torch.Generator | None = None
+        self._global_cut: torch.Tensor | None = None
+
+    def fraction(self, server_round: int) -> float:
+        """The kept fraction in this round (after warm-up)."""
+        return warmup_fraction(server_round, self.params["fraction"], self.params["warmup"])
+
+    def prepare(self, name: str, update: torch.Tensor, state: TensorState) -> torch.Tensor:
+        clip = self.params["clip"]
+        if clip > 0:
+            norm = float(torch.linalg.vector_norm(update))
+            if norm > clip:
+                update = update * (clip / norm)
+        momentum = self.params["momentum"]
+        if momentum > 0:
+            velocity = state.get("velocity")
+            velocity = update.clone() if velocity is None else velocity.mul_(momentum).add_(update)
+            state["velocity"] = velocity
+            return velocity
+        return update
+
+    def begin_round(self, accumulated: dict[str, torch.Tensor], server_round: int) -> None:
+        """With ``scope=global``: one magnitude threshold over all tensors of the round."""
+        self._global_cut = None
+        if self.params["scope"] == "global" and accumulated:
+            magnitudes = torch.cat([t.reshape(-1).abs() for t in accumulated.values()])
+            k = kept_count(magnitudes.numel(), self.fraction(server_round))
+            positions = top_positions(magnitudes, k, self.params["threshold"], self.generator)
+            self._global_cut = magnitudes[positions].min()
+
+    def compress(self, name: str, tensor: torch.Tensor, state: TensorState, server_round: int) -> EncodedTensor:
+        flat = tensor.reshape(-1)
+        magnitudes = flat.abs()
+        if self._global_cut is not None:
+            positions = torch.nonzero(magnitudes >= self._global_cut).flatten()
+        else:
+            k = kept_count(flat.numel(), self.fraction(server_round))
+            positions = top_positions(magnitudes, k, self.params["threshold"], self.generator)
+        return EncodedTensor(name, tuple(tensor.shape), SPARSE, [plain(flat[positions])], positions=positions)
+
+    def after_send(self, name: str, tensor: torch.Tensor, sent: torch.Tensor, state: TensorState) -> None:
+        velocity = state.get("velocity")
+        if velocity is not None:  # momentum-factor masking: no momentum keeps pushing values already sent
+            velocity.masked_fill_(sent != 0, 0.0)

@@ -1,0 +1,195 @@
+"""The compressed wire format: encoded tensors ↔ one self-describing byte string.
+
+Layout of a payload (every byte of it is what crosses the WAN and is counted):
+
+    b"CDC1" | uint32 little-endian header length | header (compact JSON) | sections
+
+The header lists, per tensor: name ``n``, shape ``s``, kind ``k`` (``dense``, ``sparse``, ``lowrank``),
+for sparse tensors the position encoding ``i`` (varint or bitmap), the number of kept values ``c``
+and the index bytes ``ib``, for low-rank tensors the matrix view ``m`` and rank ``r``, and the value
+arrays ``a`` (each: encoding ``e`` = f32, q8 or q16, element count ``n``, scale block ``b``).
+Sections follow in header order: a sparse tensor's position bytes, then for every value array its
+codes and, for q8/q16, its float32 scales (one per block). Decoding checks that the sizes add up
+to the payload's length exactly, so a truncated or padded payload is refused.
+"""
+
+from __future__ import annotations
+
+import json
+import struct
+from dataclasses import dataclass, field
+
+import numpy as np
+import torch
+
+MAGIC = b"CDC1"
+DENSE, SPARSE, LOWRANK = "dense", "sparse", "lowrank"
+F32, Q8, Q16 = "f32", "q8", "q16"
+_CODE_DTYPES = {Q8: torch.int8, Q16: torch.int16}
+
+
+class CodecError(ValueError):
+    """A payload or an update the codecs cannot handle: truncated, corrupted, wrong names or shapes, NaN/Inf."""
+
+
+@dataclass
+class Values:
+    """One vector of floats as sent: plain float32, or integer codes times a float32 scale per block."""
+
+    encoding: str
+    codes: torch.Tensor  # float32 for f32; int8/int16 codes otherwise
+    scales: torch.Tensor | None = None  # float32, one per block (q8/q16)
+    block: int = 0  # elements per scale block; 0 = one block for the whole vector
+
+    @property
+    def count(self) -> int:
+        return int(self.codes.numel())
+
+    def decode(self) -> torch.Tensor:
+        """The float32 vector these values stand for."""
+        if self.encoding == F32:
+            return self.codes.to(torch.float32)
+        assert self.scales is not None
+        codes = self.codes.to(torch.float32)
+        if self.block == 0:
+            return codes * self.scales[0]
+        return (codes.view(-1) * torch.repeat_interleave(self.scales, self.block)[: codes.numel()]).view(-1)
+
+
+def plain(values: torch.Tensor) -> Values:
+    """Values sent as float32."""
+    return Values(F32, values.reshape(-1).to(torch.float32))
+
+
+@dataclass
+class EncodedTensor:
+    """One tensor as the codecs left it: dense values, kept positions + values, or low-rank factors."""
+
+    name: str
+    shape: tuple[int, ...]
+    kind: str
+    parts: list[Values]
+    positions: torch.Tensor | None = None  # sparse: sorted int64 positions in the flattened tensor
+    matrix: tuple[int, int] | None = None  # lowrank: (rows, cols) of the matrix view; parts = [P (rows×r), Q (cols×r)]
+    extra: dict = field(default_factory=dict)
+
+    @property
+    def numel(self) -> int:
+        return int(np.prod(self.shape, dtype=np.int64)) if self.shape else 1
+
+
+def reconstruct(encoded: EncodedTensor) -> torch.Tensor:
+    """The dense float32 tensor an encoded tensor stands for."""
+    if encoded.kind == DENSE:
+        return encoded.parts[0].decode().view(encoded.shape)
+    if encoded.kind == SPARSE:
+        assert encoded.positions is not None
+        out = torch.zeros(encoded.numel, dtype=torch.float32, device=encoded.parts[0].codes.device)
+        out[encoded.positions] = encoded.parts[0].decode()
+        return out.view(encoded.shape)
+    if encoded.kind == LOWRANK:
+        assert encoded.matrix is not None
+        rows, cols = encoded.matrix
+        p = encoded.parts[0].decode().view(rows, -1)
+        q = encoded.parts[1].decode().view(cols, -1)
+        return (p @ q.T).view(encoded.shape)
+    raise CodecError(f"unknown tensor kind {encoded.kind!r}")
+
+
+def _as_bytes(tensor: torch.Tensor) -> torch.Tensor:
+    return tensor.contiguous().view(-1).view(torch.uint8)
+
+
+def _scale_blocks(count: int, block: int) -> int:
+    return 1 if block == 0 else (count + block - 1) // block
+
+
+def serialize(tensors: list[EncodedTensor], index_bytes: dict[str, tuple[str, torch.Tensor]]) -> np.ndarray:
+    """One payload (uint8 numpy array, on the host) for `tensors`; `index_bytes[name]` = a sparse tensor's
+    (position encoding, its bytes). Sections are joined on the tensors' device, then copied once."""
+    header: list[dict] = []
+    sections: list[torch.Tensor] = []
+    for t in tensors:
+        entry: dict = {"n": t.name, "s": list(t.shape), "k": t.kind, "a": []}
+        if t.kind == SPARSE:
+            kind, data = index_bytes[t.name]
+            entry.update(i=kind, c=int(t.parts[0].count), ib=int(data.numel()))
+            sections.append(data)
+        if t.kind == LOWRANK:
+            assert t.matrix is not None
+            entry.update(m=list(t.matrix))
+        for part in t.parts:
+            entry["a"].append({"e": part.encoding, "n": part.count, "b": part.block})
+            sections.append(_as_bytes(part.codes))
+            if part.encoding != F32:
+                assert part.scales is not None
+                sections.append(_as_bytes(part.scales.to(torch.float32)))
+        header.append(entry)
+    head = json.dumps({"v": 1, "t": header}, separators=(",", ":")).encode()
+    body = torch.cat([s.to(sections[0].device) for s in sections]) if sections else torch.zeros(0, dtype=torch.uint8)
+    pinned = body.is_cuda
+    host = torch.empty(body.numel(), dtype=torch.uint8, pin_memory=pinned)
+    host.copy_(body)
+    return np.concatenate([np.frombuffer(MAGIC + struct.pack("<I", len(head)) + head, dtype=np.uint8), host.numpy()])
+
+
+def _take(blob: torch.Tensor, offset: int, nbytes: int, dtype: torch.dtype, what: str) -> tuple[torch.Tensor, int]:
+    if nbytes < 0 or offset + nbytes > blob.numel():
+        raise CodecError(f"payload truncated in {what}")
+    return blob[offset : offset + nbytes].clone().view(dtype), offset + nbytes
+
+
+def parse(payload: np.ndarray | bytes) -> tuple[list[EncodedTensor], dict[str, tuple[str, torch.Tensor]]]:
+    """Inverse of :func:`serialize`: the encoded tensors and their position bytes; CodecError if malformed."""
+    raw = bytes(payload) if not isinstance(payload, np.ndarray) else payload.astype(np.uint8, copy=False).tobytes()
+    if len(raw) < 8 or raw[:4] != MAGIC:
+        raise CodecError("not a crossdc compressed payload (bad magic)")
+    (head_len,) = struct.unpack("<I", raw[4:8])
+    if 8 + head_len > len(raw):
+        raise CodecError("payload truncated in its header")
+    try:
+        header = json.loads(raw[8 : 8 + head_len])
+        entries = header["t"]
+        assert header["v"] == 1 and isinstance(entries, list)
+    except Exception as err:
+        raise CodecError(f"unreadable payload header ({type(err).__name__})") from None
+    blob = torch.frombuffer(bytearray(raw[8 + head_len :]), dtype=torch.uint8) if len(raw) > 8 + head_len \
+        else torch.zeros(0, dtype=torch.uint8)
+    tensors: list[EncodedTensor] = []
+    index_bytes: dict[str, tuple[str, torch.Tensor]] = {}
+    offset = 0
+    try:
+        for entry in entries:
+            name, shape, kind = str(entry["n"]), tuple(int(d) for d in entry["s"]), str(entry["k"])
+            if any(d < 0 for d in shape):
+                raise CodecError(f"negative dimension in tensor '{name}'")
+            encoded = EncodedTensor(name, shape, kind, [])
+            if kind == SPARSE:
+                data, offset = _take(blob, offset, int(entry["ib"]), torch.uint8, f"positions of '{name}'")
+                index_bytes[name] = (str(entry["i"]), data)
+            elif kind == LOWRANK:
+                encoded.matrix = (int(entry["m"][0]), int(entry["m"][1]))
+            elif kind != DENSE:
+                raise CodecError(f"unknown tensor kind {kind!r} for '{name}'")
+            for part in entry["a"]:
+                encoding, count, block = str(part["e"]), int(part["n"]), int(part["b"])
+                if count < 0 or block < 0:
+                    raise CodecError(f"negative size in tensor '{name}'")
+                if encoding == F32:
+                    codes, offset = _take(blob, offset, 4 * count, torch.float32, f"values of '{name}'")
+                    encoded.parts.append(Values(F32, codes))
+                elif encoding in _CODE_DTYPES:
+                    dtype = _CODE_DTYPES[encoding]
+                    codes, offset = _take(blob, offset, count * dtype.itemsize, dtype, f"codes of '{name}'")
+                    scales, offset = _take(blob, offset, 4 * _scale_blocks(count, block), torch.float32, f"scales of '{name}'")
+                    encoded.parts.append(Values(encoding, codes, scales, block))
+                else:
+                    raise CodecError(f"unknown value encoding {encoding!r} for '{name}'")
+            tensors.append(encoded)
+    except (KeyError, TypeError, ValueError, IndexError) as err:
+        if isinstance(err, CodecError):
+            raise
+        raise CodecError(f"malformed payload header entry ({type(err).__name__}: {err})") from None
+    if offset != blob.numel():
+        raise CodecError(f"payload has {blob.numel() - offset} bytes past its last section")
+    return tensors, index_bytes
