@@ -68,8 +68,8 @@ class StructureCodec(Codec):
     def compress(self, name: str, tensor: torch.Tensor, state: TensorState, server_round: int) -> EncodedTensor:
         """`tensor` (float32, its real shape) as an encoded tensor whose parts are plain float32 values."""
 
-    def after_send(self, name: str, tensor: torch.Tensor, sent: torch.Tensor, state: TensorState) -> None:
-        """Called with what was actually sent (dense, decoded) once a tensor is encoded; default: nothing."""
+    def after_send(self, name: str, encoded: EncodedTensor, state: TensorState) -> None:
+        """Called with what was actually sent once a tensor is encoded; default: nothing."""
 
     def prepare(self, name: str, update: torch.Tensor, state: TensorState) -> torch.Tensor:
         """What of this round's update enters the error-feedback accumulator (default: the update itself)."""

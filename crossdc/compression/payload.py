@@ -24,6 +24,8 @@ ARRAYS_KEY = "arrays"
 LAYOUT_KEY = "layout"
 #: config record of a server → datacenter message
 CONFIG_KEY = "config"
+#: a strategy's control variates, as a second tensor group (SCAFFOLD: the server's c down, a datacenter's Δc_i up)
+CONTROL_KEY = "control"
 #: metrics record of a datacenter's reply
 METRICS_KEY = "metrics"
 FLAT = "flat"
@@ -33,21 +35,35 @@ class PayloadError(ValueError):
     """A message's tensors cannot be decoded (missing records, or a layout that does not match the data)."""
 
 
-def encode_tensors(arrays: Mapping[str, np.ndarray]) -> dict[str, ArrayRecord | ConfigRecord]:
-    """The records carrying `arrays` (float32): {ARRAYS_KEY: one flat Array, LAYOUT_KEY: names and shapes}."""
+def layout_key(group: str) -> str:
+    """The layout record of tensor group `group`: LAYOUT_KEY for the main group ARRAYS_KEY, else ``<group>-layout``."""
+    return LAYOUT_KEY if group == ARRAYS_KEY else f"{group}-layout"
+
+
+def encode_tensors(arrays: Mapping[str, np.ndarray], group: str = ARRAYS_KEY) -> dict[str, ArrayRecord | ConfigRecord]:
+    """The records carrying `arrays` (float32) as tensor group `group`: {group: one flat Array, layout_key(group): names
+    and shapes}. The main group (weights down, the update up) is ARRAYS_KEY; a strategy's extra tensors travel as
+    further groups under named constants (e.g. CONTROL_KEY), in the same message."""
     names = list(arrays)
     flat = np.concatenate([np.asarray(arrays[n], dtype=np.float32).ravel() for n in names]) if names else np.zeros(0, np.float32)
     layout = json.dumps([[n, list(np.shape(arrays[n]))] for n in names])
-    return {ARRAYS_KEY: ArrayRecord({FLAT: Array(flat)}), LAYOUT_KEY: ConfigRecord({"tensors": layout})}
+    return {group: ArrayRecord({FLAT: Array(flat)}), layout_key(group): ConfigRecord({"tensors": layout})}
 
 
-def decode_tensors(content: RecordDict) -> dict[str, np.ndarray]:
-    """The named tensors of a message encoded by :func:`encode_tensors`; PayloadError if it is not one."""
+def has_tensors(content: RecordDict, group: str) -> bool:
+    """Whether the message carries tensor group `group` (both its records)."""
+    return group in content and layout_key(group) in content
+
+
+def decode_tensors(content: RecordDict, group: str = ARRAYS_KEY) -> dict[str, np.ndarray]:
+    """The named tensors of group `group` of a message encoded by :func:`encode_tensors`; PayloadError if the message
+    does not carry that group or it does not decode (a missing group fails here, never as an empty dict)."""
     try:
-        flat = content[ARRAYS_KEY][FLAT].numpy()
-        layout = json.loads(str(content[LAYOUT_KEY]["tensors"]))
+        flat = content[group][FLAT].numpy()
+        layout = json.loads(str(content[layout_key(group)]["tensors"]))
     except (KeyError, TypeError, ValueError) as err:
-        raise PayloadError(f"no tensors in the message ({type(err).__name__}: {err})") from None
+        what = "no tensors" if group == ARRAYS_KEY else f"no tensor group '{group}'"
+        raise PayloadError(f"{what} in the message ({type(err).__name__}: {err})") from None
     if flat.ndim != 1:
         raise PayloadError(f"the packed tensors must be one flat array, got shape {flat.shape}")
     result: dict[str, np.ndarray] = {}

@@ -27,7 +27,7 @@ import torch
 
 from crossdc.compression.base import Codec, CodecConfigError, StructureCodec, TensorState, ValuesCodec, build_codec
 from crossdc.compression.index_coding import IndexCodingError, bitmap_size, decode_positions, encode_positions, varint_size
-from crossdc.compression.wire import DENSE, SPARSE, CodecError, EncodedTensor, parse, plain, reconstruct, serialize
+from crossdc.compression.wire import DENSE, LOWRANK, SPARSE, CodecError, EncodedTensor, parse, plain, reconstruct, serialize
 
 #: bytes one value costs on the wire, by values codec (None: float32)
 _VALUE_BYTES = {None: 4.0, "int8": 1.0, "qsgd": 1.0}
@@ -38,7 +38,7 @@ class Encoded:
     """One encoded update: the payload, and what the receiver decodes from it."""
 
     payload: np.ndarray  # uint8, the exact bytes sent
-    sent: dict[str, torch.Tensor]  # the decoded update (what the receiver gets)
+    tensors: list[EncodedTensor]  # what the payload holds, before serialisation
     energy_kept: float  # ‖sent‖² / ‖update + residual‖²: how much of what was due this round was sent
     raw_bytes: int  # the same update as dense float32
     stats: dict[str, Any] = field(default_factory=dict)
@@ -46,6 +46,35 @@ class Encoded:
     @property
     def nbytes(self) -> int:
         return int(self.payload.nbytes)
+
+    @property
+    def sent(self) -> dict[str, torch.Tensor]:
+        """The update the receiver decodes (dense tensors; computed on demand)."""
+        return {t.name: reconstruct(t) for t in self.tensors}
+
+
+def _squared_norm(tensor: torch.Tensor) -> float:
+    return float(torch.linalg.vector_norm(tensor, dtype=torch.float64)) ** 2
+
+
+def _sent_energy(encoded: EncodedTensor) -> float:
+    """‖what the tensor decodes to‖², without building it densely."""
+    parts = [p.decode() for p in encoded.parts]
+    if encoded.kind == LOWRANK:
+        p, q = (part.double().view(dim, -1) for part, dim in zip(parts, encoded.matrix or (1, 1)))
+        return float(torch.trace((p.T @ p) @ (q.T @ q)))
+    return _squared_norm(parts[0])
+
+
+def _subtract_sent(accumulated: torch.Tensor, encoded: EncodedTensor) -> torch.Tensor:
+    """`accumulated` − what was sent, in place (it becomes the new residual)."""
+    flat = accumulated.view(-1)
+    if encoded.kind == SPARSE:
+        assert encoded.positions is not None
+        flat[encoded.positions] -= encoded.parts[0].decode()
+    else:
+        flat -= reconstruct(encoded).view(-1)
+    return accumulated
 
 
 def build_pipeline_codecs(specs: Sequence[str]) -> tuple[StructureCodec | None, ValuesCodec | None]:
@@ -106,21 +135,24 @@ class CodecPipeline:
     def encode(self, update: Mapping[str, torch.Tensor], server_round: int) -> Encoded:
         """Encode one round's update (see the module docstring); CodecError if it holds NaN/Inf."""
         accumulated: dict[str, torch.Tensor] = {}
+        due = kept = 0.0
         for name, tensor in update.items():
             tensor = torch.as_tensor(tensor).to(torch.float32)
-            if not bool(torch.isfinite(tensor).all()):
-                raise CodecError(f"tensor '{name}' of the update contains NaN or Inf")
             state = self.codec_state.setdefault(name, {})
             if self.structure is not None:
                 tensor = self.structure.prepare(name, tensor, state)
             residual = self.residuals.get(name)
-            accumulated[name] = tensor + residual if residual is not None and self.error_feedback else tensor.clone()
+            if self.error_feedback:
+                tensor = tensor + residual if residual is not None else tensor.clone()
+            accumulated[name] = tensor
+            energy = _squared_norm(tensor)  # one pass; NaN or Inf anywhere makes it non-finite
+            if not np.isfinite(energy):
+                raise CodecError(f"tensor '{name}' of the update contains NaN or Inf")
+            due += energy
         if self.structure is not None and hasattr(self.structure, "begin_round"):
             self.structure.begin_round(accumulated, server_round)
         encoded_tensors: list[EncodedTensor] = []
         index_bytes: dict[str, tuple[str, torch.Tensor]] = {}
-        sent: dict[str, torch.Tensor] = {}
-        due = kept = 0.0
         for name, acc in accumulated.items():
             state = self.codec_state[name]
             if self.structure is not None:
@@ -132,19 +164,17 @@ class CodecPipeline:
             if encoded.kind == SPARSE:
                 assert encoded.positions is not None
                 index_bytes[name] = encode_positions(encoded.positions, encoded.numel)
-            decoded = reconstruct(encoded)
+            kept += _sent_energy(encoded)
             if self.error_feedback:
-                self.residuals[name] = acc - decoded
+                self.residuals[name] = _subtract_sent(acc if encoded.parts[0].codes.data_ptr() != acc.data_ptr()
+                                                      else acc.clone(), encoded)
             if self.structure is not None:
-                self.structure.after_send(name, acc, decoded, state)
-            due += float(torch.sum(acc.double() ** 2))
-            kept += float(torch.sum(decoded.double() ** 2))
-            sent[name] = decoded
+                self.structure.after_send(name, encoded, state)
             encoded_tensors.append(encoded)
         payload = serialize(encoded_tensors, index_bytes)
         raw = sum(4 * t.numel() for t in accumulated.values())
-        kinds = {k: sum(1 for t in encoded_tensors if t.kind == k) for k in ("dense", "sparse", "lowrank")}
-        return Encoded(payload, sent, kept / due if due > 0 else 1.0, raw, {"tensor_kinds": kinds})
+        kinds = {k: sum(1 for t in encoded_tensors if t.kind == k) for k in (DENSE, SPARSE, LOWRANK)}
+        return Encoded(payload, encoded_tensors, kept / due if due > 0 else 1.0, raw, {"tensor_kinds": kinds})
 
     def state_dict(self) -> dict[str, Any]:
         """Residuals and codec state, for the datacenter's durable state store."""
@@ -188,7 +218,7 @@ def decode_payload(payload: np.ndarray | bytes, expected: Mapping[str, tuple[int
             value = reconstruct(encoded).to(device)
         except (IndexCodingError, RuntimeError, AssertionError) as err:
             raise CodecError(f"tensor '{encoded.name}' cannot be decoded: {err}") from None
-        if not bool(torch.isfinite(value).all()):
+        if not np.isfinite(_squared_norm(value)):
             raise CodecError(f"tensor '{encoded.name}' contains NaN or Inf")
         result[encoded.name] = value
     return result
@@ -201,7 +231,7 @@ def _check_sizes(encoded: EncodedTensor) -> None:
         raise CodecError(f"dense tensor '{encoded.name}' carries {counts} values for {encoded.numel} elements")
     if encoded.kind == SPARSE and (len(counts) != 1 or counts[0] > encoded.numel):
         raise CodecError(f"sparse tensor '{encoded.name}' carries {counts} values for {encoded.numel} elements")
-    if encoded.kind == "lowrank":
+    if encoded.kind == LOWRANK:
         assert encoded.matrix is not None
         rows, cols = encoded.matrix
         if rows * cols != encoded.numel or len(counts) != 2 or rows == 0 or cols == 0 \

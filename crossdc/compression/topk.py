@@ -128,7 +128,10 @@ class TopK(StructureCodec):
             positions = top_positions(magnitudes, k, self.params["threshold"], self.generator)
         return EncodedTensor(name, tuple(tensor.shape), SPARSE, [plain(flat[positions])], positions=positions)
 
-    def after_send(self, name: str, tensor: torch.Tensor, sent: torch.Tensor, state: TensorState) -> None:
+    def after_send(self, name: str, encoded: EncodedTensor, state: TensorState) -> None:
         velocity = state.get("velocity")
         if velocity is not None:  # momentum-factor masking: no momentum keeps pushing values already sent
-            velocity.masked_fill_(sent != 0, 0.0)
+            if encoded.positions is None:  # sent densely: every value went
+                velocity.zero_()
+            else:
+                velocity.view(-1)[encoded.positions] = 0.0
