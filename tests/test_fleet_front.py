@@ -1,0 +1,77 @@
+"""The Fleet API front: SuperNodes reach a private SuperLink through it over TLS; the Control API is refused."""
+
+from __future__ import annotations
+
+import os
+import ssl
+import sys
+import time
+from pathlib import Path
+
+import httpx
+import pytest
+
+from crossdc.platform.fleet_front import is_fleet_request, start_front
+from crossdc.platform.processes import ProcessGroup, free_port, wait_for_port
+from crossdc.platform.tls import make_certificates
+
+BIN = Path(sys.executable).parent
+
+
+def test_only_fleet_posts_pass() -> None:
+    assert is_fleet_request("POST", "/v1/fleet/pull-messages")
+    assert not is_fleet_request("GET", "/v1/fleet/pull-messages")
+    assert not is_fleet_request("POST", "/v1/control/start-run")
+    assert not is_fleet_request("POST", "/v1/fleet/")
+    assert not is_fleet_request("POST", "/v1/fleet/../control/start-run")
+    assert not is_fleet_request("POST", "/v1/serverappio/pull-messages")
+
+
+@pytest.mark.deployment
+def test_supernode_joins_through_the_front_and_control_api_is_refused(tmp_path: Path) -> None:
+    certs = make_certificates(tmp_path / "certs", ["127.0.0.1", "localhost"])
+    env = {**os.environ, "PATH": f"{BIN}{os.pathsep}{os.environ.get('PATH', '')}", "FLWR_HOME": str(tmp_path / "flwr"), "FLWR_TELEMETRY_ENABLED": "0", "FLWR_DISABLE_UPDATE_CHECK": "1"}
+    processes = ProcessGroup()
+    private_port, front_port = free_port(), free_port()
+    front = None
+    try:
+        superlink = processes.start("superlink", [str(BIN / "flower-superlink"), "--insecure", "--disable-runtime-dependency-installation",
+                                                  "--host", "127.0.0.1", "--port", str(private_port)],
+                                    tmp_path / "superlink.log", env=env)
+        wait_for_port("127.0.0.1", private_port, 60, alive=superlink)
+        front = start_front(f"http://127.0.0.1:{private_port}", "127.0.0.1", front_port, certs.server_cert, certs.server_key)
+        with httpx.Client(verify=ssl.create_default_context(cafile=str(certs.ca_cert)), timeout=10) as client:
+            refused = client.post(f"{front.url}/v1/control/list-runs", content=b"", headers={"content-type": "application/protobuf"})
+            assert refused.status_code == 403 and "Fleet API" in refused.json()["detail"]
+            assert client.get(f"{front.url}/docs").status_code == 403
+        # the same Control API call is answered (not 403, not 404) when made directly: the front is what refuses it
+        direct = httpx.post(f"http://127.0.0.1:{private_port}/v1/control/list-runs", content=b"",
+                            headers={"content-type": "application/protobuf"}, timeout=10)
+        assert direct.status_code not in (403, 404)
+        assert front.stats.refused[("POST", "/v1/control/list-runs")] == 1
+        processes.start("supernode", [str(BIN / "flower-supernode"), "--root-certificates", str(certs.ca_cert),
+                                      "--superlink", f"127.0.0.1:{front_port}", "--port", str(free_port())],
+                        tmp_path / "supernode.log", env=env)
+        deadline = time.monotonic() + 60
+        while time.monotonic() < deadline:
+            if any(path.endswith("activate-node") and status == 200 for path, status in front.stats.forwarded):
+                break
+            time.sleep(0.2)
+        log = (tmp_path / "supernode.log").read_text(errors="replace")
+        assert any(path.endswith("activate-node") and status == 200 for path, status in front.stats.forwarded), log[-2000:]
+        # a SuperNode that does not trust crossdc's CA never gets a request through
+        before = sum(front.stats.forwarded.values())
+        stranger = processes.start("stranger", [str(BIN / "flower-supernode"), "--superlink", f"127.0.0.1:{front_port}",
+                                                "--port", str(free_port()), "--max-retries", "1"],
+                                   tmp_path / "stranger.log", env=env)
+        time.sleep(4)
+        polls = sum(n for (path, _), n in front.stats.forwarded.items())
+        stranger_log = (tmp_path / "stranger.log").read_text(errors="replace")
+        assert "CERTIFICATE_VERIFY_FAILED" in stranger_log or "certificate verify failed" in stranger_log.lower(), stranger_log[-2000:]
+        # only the trusted node's polls moved the counter (at most a few per second)
+        assert polls - before < 20
+        del stranger
+    finally:
+        if front is not None:
+            front.stop()
+        processes.stop_all()
