@@ -54,26 +54,42 @@ class Encoded:
 
 
 def _squared_norm(tensor: torch.Tensor) -> float:
-    return float(torch.linalg.vector_norm(tensor, dtype=torch.float64)) ** 2
+    """‖tensor‖² in one pass without a float64 copy; inf if it overflows, NaN if the tensor holds NaN."""
+    return float(torch.linalg.vector_norm(tensor)) ** 2
 
 
-def _sent_energy(encoded: EncodedTensor) -> float:
-    """‖what the tensor decodes to‖², without building it densely."""
-    parts = [p.decode() for p in encoded.parts]
+def _is_finite(tensor: torch.Tensor, squared_norm: float) -> bool:
+    """Whether every value is finite (the norm tells in one pass unless it overflowed)."""
+    return bool(np.isfinite(squared_norm)) or bool(torch.isfinite(tensor).all())
+
+
+def _decoded_parts(encoded: EncodedTensor) -> list[torch.Tensor]:
+    return [part.decode() for part in encoded.parts]
+
+
+def _sent_energy(encoded: EncodedTensor, parts: list[torch.Tensor]) -> float:
+    """‖what the tensor decodes to‖², from its decoded parts (never building a low-rank product)."""
     if encoded.kind == LOWRANK:
-        p, q = (part.double().view(dim, -1) for part, dim in zip(parts, encoded.matrix or (1, 1)))
+        assert encoded.matrix is not None
+        p, q = (part.double().view(dim, -1) for part, dim in zip(parts, encoded.matrix))
         return float(torch.trace((p.T @ p) @ (q.T @ q)))
     return _squared_norm(parts[0])
 
 
-def _subtract_sent(accumulated: torch.Tensor, encoded: EncodedTensor) -> torch.Tensor:
+def _subtract_sent(accumulated: torch.Tensor, encoded: EncodedTensor, parts: list[torch.Tensor]) -> torch.Tensor:
     """`accumulated` − what was sent, in place (it becomes the new residual)."""
     flat = accumulated.view(-1)
     if encoded.kind == SPARSE:
         assert encoded.positions is not None
-        flat[encoded.positions] -= encoded.parts[0].decode()
+        flat[encoded.positions] -= parts[0]
+    elif encoded.kind == LOWRANK:
+        assert encoded.matrix is not None
+        rows, cols = encoded.matrix
+        accumulated.view(rows, cols).sub_(parts[0].view(rows, -1) @ parts[1].view(cols, -1).T)
+    elif parts[0].data_ptr() == flat.data_ptr():  # sent exactly as it is (and still referenced): nothing left over
+        return torch.zeros_like(accumulated)
     else:
-        flat -= reconstruct(encoded).view(-1)
+        flat -= parts[0]
     return accumulated
 
 
@@ -145,8 +161,8 @@ class CodecPipeline:
             if self.error_feedback:
                 tensor = tensor + residual if residual is not None else tensor.clone()
             accumulated[name] = tensor
-            energy = _squared_norm(tensor)  # one pass; NaN or Inf anywhere makes it non-finite
-            if not np.isfinite(energy):
+            energy = _squared_norm(tensor)
+            if not _is_finite(tensor, energy):
                 raise CodecError(f"tensor '{name}' of the update contains NaN or Inf")
             due += energy
         if self.structure is not None and hasattr(self.structure, "begin_round"):
@@ -164,10 +180,10 @@ class CodecPipeline:
             if encoded.kind == SPARSE:
                 assert encoded.positions is not None
                 index_bytes[name] = encode_positions(encoded.positions, encoded.numel)
-            kept += _sent_energy(encoded)
+            parts = _decoded_parts(encoded)
+            kept += _sent_energy(encoded, parts)
             if self.error_feedback:
-                self.residuals[name] = _subtract_sent(acc if encoded.parts[0].codes.data_ptr() != acc.data_ptr()
-                                                      else acc.clone(), encoded)
+                self.residuals[name] = _subtract_sent(acc, encoded, parts)
             if self.structure is not None:
                 self.structure.after_send(name, encoded, state)
             encoded_tensors.append(encoded)
@@ -218,7 +234,7 @@ def decode_payload(payload: np.ndarray | bytes, expected: Mapping[str, tuple[int
             value = reconstruct(encoded).to(device)
         except (IndexCodingError, RuntimeError, AssertionError) as err:
             raise CodecError(f"tensor '{encoded.name}' cannot be decoded: {err}") from None
-        if not np.isfinite(_squared_norm(value)):
+        if not _is_finite(value, _squared_norm(value)):
             raise CodecError(f"tensor '{encoded.name}' contains NaN or Inf")
         result[encoded.name] = value
     return result

@@ -32,7 +32,7 @@ def int8_quantize(values: torch.Tensor, block: int = 0) -> Values:
     rows = _blocks(values.reshape(-1).to(torch.float32), block)
     scales = rows.abs().amax(dim=1) / 127.0
     safe = torch.where(scales > 0, scales, torch.ones_like(scales))
-    codes = torch.round(rows / safe[:, None]).clamp_(-127, 127).to(torch.int8).view(-1)[: values.numel()]
+    codes = torch.div(rows, safe[:, None]).round_().clamp_(-127, 127).to(torch.int8).view(-1)[: values.numel()]
     return Values(Q8, codes, scales, block if rows.shape[0] > 1 else 0)
 
 
