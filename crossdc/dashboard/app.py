@@ -1,15 +1,20 @@
 """The FastAPI app of `crossdc serve`: the JSON API (`/api/...`, `/metrics`) and the dashboard pages.
 
 `create_app(db_url)` promises an app that reads (never writes) the SQL run log at `db_url`
-(SQLite or PostgreSQL), serves its OpenAPI schema at `/docs` and `/openapi.json`, answers
-unknown ids with 404 and bad query parameters with 422, both as JSON.
+(SQLite or PostgreSQL), serves its OpenAPI schema at `/openapi.json` and an interactive reference
+at `/docs` (Swagger UI served from this machine: no CDN is needed), answers unknown ids of the
+API with 404 and bad query parameters with 422, both as JSON (the HTML pages answer with HTML
+error pages).
 """
 
 from __future__ import annotations
 
 from pathlib import Path
 
+import swagger_ui_bundle
 from fastapi import FastAPI
+from fastapi.openapi.docs import get_swagger_ui_html
+from fastapi.responses import HTMLResponse
 from fastapi.staticfiles import StaticFiles
 from sqlalchemy import Engine
 
@@ -22,9 +27,20 @@ def create_app(db_url: str | None = None, *, engine: Engine | None = None) -> Fa
     """The API + dashboard app over the run log at `db_url` (resolved as the CLI does), or over `engine`."""
     from crossdc.dashboard import api, pages
 
-    app = FastAPI(title="crossdc", description="Runs, rounds and datacenters of crossdc's SQL run log.", version="1")
+    app = FastAPI(title="crossdc", description="Runs, rounds and datacenters of crossdc's SQL run log.", version="1",
+                  docs_url=None, redoc_url=None)
     app.state.engine = engine if engine is not None else make_engine(resolve_database_url(db_url))
+    api.install_error_handlers(app)
     app.include_router(api.router)
     app.include_router(pages.router)
+    app.mount("/static/swagger-ui", StaticFiles(directory=swagger_ui_bundle.swagger_ui_path), name="swagger-ui")
     app.mount("/static", StaticFiles(directory=STATIC_DIR), name="static")
+
+    @app.get("/docs", include_in_schema=False)
+    def docs() -> HTMLResponse:
+        return get_swagger_ui_html(openapi_url="/openapi.json", title="crossdc API",
+                                   swagger_js_url="/static/swagger-ui/swagger-ui-bundle.js",
+                                   swagger_css_url="/static/swagger-ui/swagger-ui.css",
+                                   swagger_favicon_url="/static/swagger-ui/favicon-32x32.png")
+
     return app

@@ -11,7 +11,13 @@ Column names are the API's field names. Conventions:
 * every table that references a run has ``run_id`` -> ``runs.id``
   ``ON DELETE CASCADE`` and an index on ``run_id``;
 * Flower run ids are unsigned 64-bit, so ``runs.flower_run_ids`` is text
-  (comma-separated decimal ids, oldest first).
+  (comma-separated decimal ids, oldest first);
+* the dashboard's reads get composite indexes (revision 0003) so that a page
+  of a long run is an index range scan: ``rounds (run_id, wall_s)`` (a run's
+  slowest round, for its effective status), ``datacenter_rounds (run_id,
+  datacenter, round)`` (one datacenter's rows) and ``events (run_id, id)``
+  (a run's events in logging order; PostgreSQL's index on ``run_id`` alone
+  does not keep that order).
 
 Any change here needs a new Alembic revision in ``migrations/versions/``
 (``tests/test_db.py`` checks that the migrated schema matches these models).
@@ -30,6 +36,7 @@ from sqlalchemy import (
     DateTime,
     Float,
     ForeignKey,
+    Index,
     Integer,
     MetaData,
     String,
@@ -97,7 +104,10 @@ class Run(Base):
 
 class Round(Base):
     __tablename__ = "rounds"
-    __table_args__ = (UniqueConstraint("run_id", "round"),)
+    __table_args__ = (
+        UniqueConstraint("run_id", "round"),
+        Index("ix_rounds_run_id_wall_s", "run_id", "wall_s"),
+    )
 
     id: Mapped[int] = mapped_column(_BigId, primary_key=True, autoincrement=True)
     run_id: Mapped[str] = mapped_column(String(64), _run_fk(), index=True)
@@ -117,6 +127,7 @@ class DatacenterRound(Base):
     __table_args__ = (
         UniqueConstraint("run_id", "round", "datacenter"),
         CheckConstraint(_in("status", DATACENTER_ROUND_STATUSES), name="status"),
+        Index("ix_datacenter_rounds_run_id_datacenter_round", "run_id", "datacenter", "round"),
     )
 
     id: Mapped[int] = mapped_column(_BigId, primary_key=True, autoincrement=True)
@@ -166,6 +177,7 @@ class AsyncUpdate(Base):
 
 class Event(Base):
     __tablename__ = "events"
+    __table_args__ = (Index("ix_events_run_id_id", "run_id", "id"),)
 
     id: Mapped[int] = mapped_column(_BigId, primary_key=True, autoincrement=True)
     run_id: Mapped[str] = mapped_column(String(64), _run_fk(), index=True)

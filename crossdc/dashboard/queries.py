@@ -1,0 +1,582 @@
+"""What the operators' service reads from the SQL run log, and the rule that says whether a run still runs.
+
+Promises:
+
+* Read-only: nothing here writes, on SQLite or PostgreSQL.
+* Rows come back as plain dicts keyed by the column names of DESIGN.md "SQL schema" (the API's field names),
+  timestamps as timezone-aware UTC datetimes, and every non-finite float (NaN, ±Inf: a diverged run) as ``None``,
+  because JSON cannot carry them.
+* Order follows the logical clock (round, datacenter name, sequence number, logging order), never wall-clock time.
+* Pages of a run's series are cut by a cursor on that order, not by an offset, so a refresh asks only for what
+  is new (see :class:`Page`). Each page costs index range scans on the unique keys (revision 0003 adds the
+  indexes the other orders need), whatever the size of the run.
+* :func:`effective_status` is the one place that decides that a ``running`` run whose process died is
+  ``interrupted``; it is pure, so the pages reuse it.
+
+Every query function takes an open :class:`~sqlalchemy.Connection`. Text arguments that no row can hold (a NUL
+character, text that is not valid Unicode, ids longer than the column) simply match nothing.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass
+from datetime import datetime, timezone
+from typing import Any, NamedTuple
+
+from sqlalchemy import ColumnElement, Connection, DateTime, Float, Table, and_, false, func, inspect, or_, select, text, true
+
+from crossdc.db.models import ASYNC_UPDATES, DATACENTER_ROUNDS, DATACENTERS, EVENTS, ROUNDS, RUNS
+
+#: A ``running`` run is ``interrupted`` once its heartbeat is older than max(this, ...) seconds.
+STALE_AFTER_MIN_S = 300.0
+#: ... and older than this many times its slowest round (the server heartbeats after every round).
+STALE_AFTER_SLOWEST_ROUNDS = 3.0
+#: The most rows (rounds, for a run's per-datacenter rounds) one page may hold.
+MAX_PAGE_SIZE = 5000
+#: The metrics' comm/comp ratios cover this many of a run's latest rounds.
+METRICS_WINDOW_ROUNDS = 10
+#: /metrics reports the runs that are running plus this many of the most recently started ones.
+METRICS_RECENT_RUNS = 10
+#: Longest run id the ``runs`` table stores (``String(64)``).
+RUN_ID_MAX_LENGTH = 64
+
+ROUND_FIELDS: tuple[str, ...] = (
+    "round", "tau", "val_loss", "val_accuracy", "bytes_up", "bytes_down", "bytes_up_raw", "wall_s", "eval_s",
+)
+DATACENTER_ROUND_FIELDS: tuple[str, ...] = (
+    "round", "datacenter", "status", "reason", "bytes_up", "bytes_down", "bytes_up_raw",
+    "compute_s", "comm_s", "overhead_s", "round_s", "comm_source", "link_bytes_up", "link_bytes_down",
+    "train_loss", "num_examples", "drift_l2", "update_cosine", "staleness",
+)
+EVENT_FIELDS: tuple[str, ...] = ("id", "at", "round", "kind", "datacenter", "detail")
+ASYNC_UPDATE_FIELDS: tuple[str, ...] = (
+    "seq", "datacenter", "base_version", "applied_version", "staleness", "scale", "status", "bytes_up",
+)
+DATACENTER_FIELDS: tuple[str, ...] = (
+    "name", "region", "gpus", "public_key", "status", "enrolled_at", "last_seen", "link_bandwidth_mbps", "link_rtt_ms",
+)
+_RUN_SUMMARY_COLUMNS = (
+    "id", "name", "strategy", "status", "baseline", "started_at", "finished_at", "last_heartbeat", "rounds_planned", "error",
+)
+
+
+# ------------------------------------------------------------------ values
+
+
+def utcnow() -> datetime:
+    """Now, timezone-aware UTC."""
+    return datetime.now(timezone.utc)
+
+
+def as_utc(value: Any) -> Any:
+    """A datetime as aware UTC (SQLite hands back naive UTC); anything else unchanged."""
+    if isinstance(value, datetime):
+        return value.replace(tzinfo=timezone.utc) if value.tzinfo is None else value.astimezone(timezone.utc)
+    return value
+
+
+def finite_or_none(value: Any) -> Any:
+    """``None`` for NaN and ±Inf floats (JSON has no such numbers); anything else unchanged."""
+    if isinstance(value, float) and not math.isfinite(value):
+        return None
+    return value
+
+
+def _clean(row: Mapping[str, Any], fields: Iterable[str]) -> dict[str, Any]:
+    return {f: finite_or_none(as_utc(row[f])) for f in fields}
+
+
+def _rows(conn: Connection, table: Table, fields: tuple[str, ...], stmt: Any) -> list[dict[str, Any]]:
+    """The rows of ``stmt`` (which selects ``fields`` of ``table``, in that order) as cleaned dicts.
+
+    Only the float columns are checked for NaN/±Inf and only the timestamps converted, so a page of a few
+    thousand rows costs little more than fetching it.
+    """
+    floats = [f for f in fields if isinstance(table.c[f].type, Float)]
+    times = [f for f in fields if isinstance(table.c[f].type, DateTime)]
+    out = []
+    for values in conn.execute(stmt):
+        row = dict(zip(fields, values))
+        for f in floats:
+            v = row[f]
+            if v is not None and not math.isfinite(v):
+                row[f] = None
+        for f in times:
+            row[f] = as_utc(row[f])
+        out.append(row)
+    return out
+
+
+def storable(value: str) -> bool:
+    """Whether a text column could hold ``value`` (PostgreSQL refuses NUL; neither backend takes lone surrogates)."""
+    if "\x00" in value:
+        return False
+    try:
+        value.encode("utf-8")
+    except UnicodeEncodeError:
+        return False
+    return True
+
+
+def could_be_run_id(run_id: str) -> bool:
+    """Whether ``run_id`` could be the id of a stored run at all (so it is worth a query)."""
+    return 0 < len(run_id) <= RUN_ID_MAX_LENGTH and storable(run_id)
+
+
+# ---------------------------------------------------------- effective status
+
+
+class EffectiveStatus(NamedTuple):
+    """A run's status as operators should see it: ``status`` and, where useful, a one-line ``detail``."""
+
+    status: str
+    detail: str | None
+
+
+def stale_after_s(slowest_round_wall_s: float | None) -> float:
+    """Seconds without a heartbeat after which a ``running`` run counts as dead: max(300 s, 3 × its slowest round)."""
+    slowest = slowest_round_wall_s if slowest_round_wall_s is not None and math.isfinite(slowest_round_wall_s) else 0.0
+    return max(STALE_AFTER_MIN_S, STALE_AFTER_SLOWEST_ROUNDS * slowest)
+
+
+def effective_status(run_row: Mapping[str, Any], slowest_round_wall_s: float | None, now: datetime) -> EffectiveStatus:
+    """The status to show for a ``runs`` row (the one rule; the API and the pages both use it).
+
+    A run ends with ``finished``, ``failed`` or ``interrupted`` written by its own processes; those are shown as
+    stored, with the run's ``error`` (first line) as detail. A run whose processes died without writing an end
+    stays ``running`` in the table forever, but its server stops heart-beating (it heartbeats after every round):
+    a ``running`` run whose ``last_heartbeat`` (else ``started_at``) is older than :func:`stale_after_s` of its
+    slowest round (``rounds.wall_s``, ``None`` when it has none) is shown as ``interrupted``, with a detail that
+    says so. ``now`` and the row's timestamps are UTC (naive ones are read as UTC).
+    """
+    stored = str(run_row["status"])
+    if stored != "running":
+        error = run_row.get("error")
+        return EffectiveStatus(stored, error.strip().splitlines()[0] if isinstance(error, str) and error.strip() else None)
+    last = as_utc(run_row.get("last_heartbeat") or run_row.get("started_at"))
+    if last is None:
+        return EffectiveStatus("running", None)
+    silent_s = (as_utc(now) - last).total_seconds()
+    limit_s = stale_after_s(slowest_round_wall_s)
+    if silent_s <= limit_s:
+        return EffectiveStatus("running", None)
+    return EffectiveStatus(
+        "interrupted",
+        f"no heartbeat for {silent_s:.0f} s (the limit is {limit_s:.0f} s: max({STALE_AFTER_MIN_S:.0f} s, "
+        f"{STALE_AFTER_SLOWEST_ROUNDS:g} × its slowest round)); its processes ended without finishing it",
+    )
+
+
+# ------------------------------------------------------------------- pages
+
+
+@dataclass(frozen=True)
+class Page:
+    """One page of a run's series, cut by a cursor on the series' logical order.
+
+    ``items``: the rows, in order. ``next_cursor``: the cursor to pass for what follows — the key of the last
+    item, or the cursor that was given when the page is empty (``None``: nothing seen yet, start from the
+    beginning). It serves both to page through a finished run and to poll a running one. ``has_more``: whether
+    more rows existed past this page when it was read (fetch again right away rather than on the next refresh).
+    """
+
+    items: list[dict[str, Any]]
+    next_cursor: int | None
+    has_more: bool
+
+
+def _page(rows: list[dict[str, Any]], key: str, since: int | None, limit: int) -> Page:
+    """A :class:`Page` from up to ``limit + 1`` rows read in order (the extra one only says there is more)."""
+    has_more = len(rows) > limit
+    items = rows[:limit]
+    return Page(items=items, next_cursor=items[-1][key] if items else since, has_more=has_more)
+
+
+def _after(column: Any, since: int | None) -> ColumnElement[bool]:
+    return column > since if since is not None else true()
+
+
+def rounds_page(conn: Connection, run_id: str, *, since_round: int | None, limit: int) -> Page:
+    """Rows of ``rounds`` with ``round > since_round`` (all when ``None``), by round, at most ``limit``."""
+    stmt = (select(*(ROUNDS.c[f] for f in ROUND_FIELDS))
+            .where(ROUNDS.c.run_id == run_id, _after(ROUNDS.c.round, since_round))
+            .order_by(ROUNDS.c.round).limit(limit + 1))
+    return _page(_rows(conn, ROUNDS, ROUND_FIELDS, stmt), "round", since_round, limit)
+
+
+def datacenter_rounds_page(
+    conn: Connection,
+    run_id: str,
+    *,
+    since_round: int | None,
+    limit: int,
+    datacenter: str | None = None,
+    closed_through: int | None = None,
+) -> Page:
+    """Rows of ``datacenter_rounds`` with ``round > since_round``: whole rounds, at most ``limit`` of them.
+
+    A page never splits a round: ``limit`` counts rounds, and each comes with all its datacenters' rows (only
+    ``datacenter``'s, when given), by round then datacenter name. ``closed_through``, when given, hides rounds
+    after it: the caller passes the run's last logged round while the run is running, because the server logs a
+    round's ``rounds`` row after its datacenters' rows, so a round is complete in the table once that row is
+    there; a poller that moves its cursor past a round never misses a datacenter row still being written.
+    """
+    dc = DATACENTER_ROUNDS
+    if datacenter is not None and not storable(datacenter):
+        return Page([], since_round, False)
+    where: list[ColumnElement[bool]] = [dc.c.run_id == run_id, _after(dc.c.round, since_round)]
+    if datacenter is not None:
+        where.append(dc.c.datacenter == datacenter)
+    if closed_through is not None:
+        where.append(dc.c.round <= closed_through)
+    bounds = [r for (r,) in conn.execute(
+        select(dc.c.round).where(*where).group_by(dc.c.round).order_by(dc.c.round).limit(limit + 1))]
+    if not bounds:
+        return Page([], since_round, False)
+    last = bounds[min(limit, len(bounds)) - 1]
+    stmt = (select(*(dc.c[f] for f in DATACENTER_ROUND_FIELDS)).where(*where, dc.c.round <= last)
+            .order_by(dc.c.round, dc.c.datacenter))
+    return Page(_rows(conn, dc, DATACENTER_ROUND_FIELDS, stmt), last, len(bounds) > limit)
+
+
+def events_page(conn: Connection, run_id: str, *, since_id: int | None, limit: int) -> Page:
+    """Rows of ``events`` with ``id > since_id``, in the order they were logged, at most ``limit``."""
+    stmt = (select(*(EVENTS.c[f] for f in EVENT_FIELDS))
+            .where(EVENTS.c.run_id == run_id, _after(EVENTS.c.id, since_id))
+            .order_by(EVENTS.c.id).limit(limit + 1))
+    return _page(_rows(conn, EVENTS, EVENT_FIELDS, stmt), "id", since_id, limit)
+
+
+def async_updates_page(conn: Connection, run_id: str, *, since_seq: int | None, limit: int) -> Page:
+    """Rows of ``async_updates`` with ``seq > since_seq``, by sequence number, at most ``limit``."""
+    au = ASYNC_UPDATES
+    stmt = (select(*(au.c[f] for f in ASYNC_UPDATE_FIELDS))
+            .where(au.c.run_id == run_id, _after(au.c.seq, since_seq))
+            .order_by(au.c.seq).limit(limit + 1))
+    return _page(_rows(conn, au, ASYNC_UPDATE_FIELDS, stmt), "seq", since_seq, limit)
+
+
+def last_round(conn: Connection, run_id: str) -> int | None:
+    """The run's highest logged round (``rounds``), or ``None`` before its first."""
+    return conn.execute(select(func.max(ROUNDS.c.round)).where(ROUNDS.c.run_id == run_id)).scalar()
+
+
+# -------------------------------------------------------------------- runs
+
+
+def _round_stats(conn: Connection, run_ids: list[str]) -> dict[str, dict[str, Any]]:
+    """Per run: rounds_completed, last_round, slowest_round_wall_s (``rounds`` aggregates).
+
+    One scalar subquery per aggregate, so each is answered by the index that covers it: the count and the
+    highest round by the unique (run_id, round), the slowest round by (run_id, wall_s) in one seek.
+    """
+    if not run_ids:
+        return {}
+
+    def per_run(aggregate: Any) -> Any:
+        return select(aggregate).select_from(ROUNDS).where(ROUNDS.c.run_id == RUNS.c.id).correlate(RUNS).scalar_subquery()
+
+    stmt = select(RUNS.c.id.label("run_id"), per_run(func.count()).label("rounds_completed"),
+                  per_run(func.max(ROUNDS.c.round)).label("last_round"),
+                  per_run(func.max(ROUNDS.c.wall_s)).label("slowest_round_wall_s")).where(RUNS.c.id.in_(run_ids))
+    return {r["run_id"]: dict(r) for r in conn.execute(stmt).mappings()}
+
+
+def _latest_evaluation(conn: Connection, run_id: str) -> dict[str, Any]:
+    """The run's latest evaluated round: val_round, val_loss, val_accuracy (``None`` each if never evaluated)."""
+    stmt = (select(ROUNDS.c.round, ROUNDS.c.val_loss, ROUNDS.c.val_accuracy)
+            .where(ROUNDS.c.run_id == run_id, or_(ROUNDS.c.val_loss.is_not(None), ROUNDS.c.val_accuracy.is_not(None)))
+            .order_by(ROUNDS.c.round.desc()).limit(1))
+    row = conn.execute(stmt).mappings().first()
+    if row is None:
+        return {"val_round": None, "val_loss": None, "val_accuracy": None}
+    return {"val_round": row["round"], "val_loss": finite_or_none(row["val_loss"]),
+            "val_accuracy": finite_or_none(row["val_accuracy"])}
+
+
+def _summaries(conn: Connection, rows: list[Mapping[str, Any]], now: datetime) -> list[dict[str, Any]]:
+    stats = _round_stats(conn, [r["id"] for r in rows])
+    out = []
+    for row in rows:
+        s = stats.get(row["id"], {})
+        slowest = finite_or_none(s.get("slowest_round_wall_s"))
+        status = effective_status(row, slowest, now)
+        summary = {k: as_utc(row[k]) for k in _RUN_SUMMARY_COLUMNS if k != "error"}
+        summary.update(status=status.status, status_detail=status.detail, stored_status=row["status"],
+                       rounds_completed=int(s.get("rounds_completed") or 0), last_round=s.get("last_round"),
+                       slowest_round_wall_s=slowest, **_latest_evaluation(conn, row["id"]))
+        out.append(summary)
+    return out
+
+
+def stale_running_run_ids(conn: Connection, now: datetime) -> set[str]:
+    """Ids of the runs stored as ``running`` that :func:`effective_status` shows as ``interrupted``."""
+    running = list(conn.execute(
+        select(RUNS.c.id, RUNS.c.status, RUNS.c.started_at, RUNS.c.last_heartbeat).where(RUNS.c.status == "running")
+    ).mappings())
+    stats = _round_stats(conn, [r["id"] for r in running])
+    return {r["id"] for r in running
+            if effective_status(r, finite_or_none(stats.get(r["id"], {}).get("slowest_round_wall_s")), now).status != "running"}
+
+
+def _status_filter(conn: Connection, status: str | None, now: datetime) -> ColumnElement[bool]:
+    """The WHERE clause that selects runs whose *effective* status is ``status``."""
+    if status is None:
+        return true()
+    if status == "running":
+        return and_(RUNS.c.status == "running", RUNS.c.id.not_in(stale_running_run_ids(conn, now)))
+    if status == "interrupted":
+        return or_(RUNS.c.status == "interrupted", RUNS.c.id.in_(stale_running_run_ids(conn, now)))
+    return RUNS.c.status == status
+
+
+def list_run_summaries(
+    conn: Connection,
+    *,
+    now: datetime,
+    status: str | None = None,
+    strategy: str | None = None,
+    limit: int = 50,
+    offset: int = 0,
+) -> tuple[list[dict[str, Any]], int]:
+    """A page of runs, newest first, and how many runs match in all.
+
+    Each summary: the ``runs`` columns (``error`` aside), the effective ``status`` with ``status_detail`` and the
+    ``stored_status``, ``rounds_completed``, ``last_round``, ``slowest_round_wall_s``, and the latest evaluation
+    (``val_round``, ``val_loss``, ``val_accuracy``). ``status`` filters on the effective status.
+    """
+    where = [_status_filter(conn, status, now)]
+    if strategy is not None:
+        where.append(RUNS.c.strategy == strategy if storable(strategy) else false())
+    total = int(conn.execute(select(func.count()).select_from(RUNS).where(*where)).scalar_one())
+    stmt = (select(*(RUNS.c[k] for k in _RUN_SUMMARY_COLUMNS)).where(*where)
+            .order_by(RUNS.c.started_at.desc(), RUNS.c.id).limit(limit).offset(offset))
+    return _summaries(conn, list(conn.execute(stmt).mappings()), now), total
+
+
+def run_detail(conn: Connection, run_id: str, *, now: datetime) -> dict[str, Any] | None:
+    """Everything about one run (``None`` if there is no such run).
+
+    The summary of :func:`list_run_summaries`, plus ``config``, ``result``, ``error``, ``flower_run_ids`` (a list
+    of decimal strings: they are unsigned 64-bit, beyond what a JSON number keeps exactly), the run's byte totals
+    (``bytes_up_total``, ``bytes_down_total``, ``bytes_up_raw_total``) and the ``datacenters`` named in its rows.
+    """
+    if not could_be_run_id(run_id):
+        return None
+    row = conn.execute(select(RUNS).where(RUNS.c.id == run_id)).mappings().first()
+    if row is None:
+        return None
+    detail = _summaries(conn, [row], now)[0]
+    totals = conn.execute(
+        select(func.coalesce(func.sum(ROUNDS.c.bytes_up), 0), func.coalesce(func.sum(ROUNDS.c.bytes_down), 0),
+               func.coalesce(func.sum(ROUNDS.c.bytes_up_raw), 0)).where(ROUNDS.c.run_id == run_id)
+    ).one()
+    config, result = row["config"], row["result"]
+    detail.update(
+        config=config if isinstance(config, dict) else {},
+        result=result if isinstance(result, dict) or result is None else {"value": result},
+        error=row["error"],
+        flower_run_ids=[part.strip() for part in (row["flower_run_ids"] or "").split(",") if part.strip()],
+        bytes_up_total=int(totals[0]), bytes_down_total=int(totals[1]), bytes_up_raw_total=int(totals[2]),
+        datacenters=_run_datacenters(row),
+    )
+    return detail
+
+
+def _run_datacenters(row: Mapping[str, Any]) -> list[str]:
+    """The datacenter names of the run's config (``[[datacenters]] name``), in config order."""
+    config = row["config"] if isinstance(row["config"], dict) else {}
+    entries = config.get("datacenters")
+    if not isinstance(entries, list):
+        return []
+    return [str(e["name"]) for e in entries if isinstance(e, dict) and isinstance(e.get("name"), str)]
+
+
+def run_exists(conn: Connection, run_id: str) -> bool:
+    """Whether the run is in ``runs``."""
+    if not could_be_run_id(run_id):
+        return False
+    return conn.execute(select(RUNS.c.id).where(RUNS.c.id == run_id)).first() is not None
+
+
+def run_is_running(conn: Connection, run_id: str, *, now: datetime) -> bool | None:
+    """Whether the run's effective status is ``running`` (``None``: no such run)."""
+    if not could_be_run_id(run_id):
+        return None
+    row = conn.execute(select(RUNS.c.id, RUNS.c.status, RUNS.c.started_at, RUNS.c.last_heartbeat, RUNS.c.error)
+                       .where(RUNS.c.id == run_id)).mappings().first()
+    if row is None:
+        return None
+    if row["status"] != "running":
+        return False
+    slowest = conn.execute(select(func.max(ROUNDS.c.wall_s)).where(ROUNDS.c.run_id == run_id)).scalar()
+    return effective_status(row, finite_or_none(slowest), now).status == "running"
+
+
+# ------------------------------------------------------------- datacenters
+
+
+def datacenters(conn: Connection, *, now: datetime) -> list[dict[str, Any]]:
+    """All enrolled datacenters by name, each with ``last_seen_age_s`` (seconds since ``last_seen``, or ``None``)."""
+    out = []
+    for row in conn.execute(select(DATACENTERS).order_by(DATACENTERS.c.name)).mappings():
+        item = _clean(row, DATACENTER_FIELDS)
+        seen = item["last_seen"]
+        item["last_seen_age_s"] = max(0.0, (now - seen).total_seconds()) if seen is not None else None
+        out.append(item)
+    return out
+
+
+# ----------------------------------------------------------------- metrics
+
+
+@dataclass(frozen=True)
+class RunMetrics:
+    """What /metrics reports of one run."""
+
+    run_id: str
+    name: str
+    strategy: str
+    status: str
+    baseline: str
+    rounds_completed: int
+    rounds_planned: int
+    bytes_up: int
+    bytes_down: int
+    bytes_up_raw: int
+    heartbeat_age_s: float | None
+
+
+@dataclass(frozen=True)
+class DatacenterWindow:
+    """One datacenter's rows of a run's latest rounds (the metrics window): sums of durations, rows by status."""
+
+    run_id: str
+    datacenter: str
+    rounds: int
+    compute_s: float
+    comm_s: float
+    overhead_s: float
+    by_status: dict[str, int]
+
+    @property
+    def comm_comp_ratio(self) -> float | None:
+        """``comm_s / compute_s`` over the window (DESIGN.md: alert above 0.1); ``None`` without compute time."""
+        return self.comm_s / self.compute_s if self.compute_s > 0 else None
+
+
+@dataclass(frozen=True)
+class MetricsSnapshot:
+    """Everything /metrics reports, read in one go."""
+
+    runs: list[RunMetrics]
+    windows: list[DatacenterWindow]
+    datacenters: list[dict[str, Any]]
+    window_rounds: int
+
+
+def metrics_snapshot(conn: Connection, *, now: datetime, recent_runs: int = METRICS_RECENT_RUNS,
+                     window_rounds: int = METRICS_WINDOW_ROUNDS) -> MetricsSnapshot:
+    """The runs that are running plus the ``recent_runs`` most recently started, with their datacenters' latest rounds."""
+    recent = [r for (r,) in conn.execute(select(RUNS.c.id).order_by(RUNS.c.started_at.desc(), RUNS.c.id).limit(recent_runs))]
+    running = [r for (r,) in conn.execute(select(RUNS.c.id).where(RUNS.c.status == "running"))]
+    ids = list(dict.fromkeys(recent + running))
+    summaries = {s["id"]: s for s in _summaries(conn, list(conn.execute(
+        select(*(RUNS.c[k] for k in _RUN_SUMMARY_COLUMNS)).where(RUNS.c.id.in_(ids))).mappings()), now)} if ids else {}
+    chosen = [i for i in ids if i in summaries and (i in recent or summaries[i]["status"] == "running")]
+    totals = {r["run_id"]: r for r in conn.execute(
+        select(ROUNDS.c.run_id, func.sum(ROUNDS.c.bytes_up).label("up"), func.sum(ROUNDS.c.bytes_down).label("down"),
+               func.sum(ROUNDS.c.bytes_up_raw).label("raw")).where(ROUNDS.c.run_id.in_(chosen)).group_by(ROUNDS.c.run_id)
+    ).mappings()} if chosen else {}
+    runs = []
+    windows: list[DatacenterWindow] = []
+    for run_id in chosen:
+        s, t = summaries[run_id], totals.get(run_id, {})
+        beat = s["last_heartbeat"] or s["started_at"]
+        runs.append(RunMetrics(
+            run_id=run_id, name=s["name"], strategy=s["strategy"], status=s["status"], baseline=s["baseline"],
+            rounds_completed=s["rounds_completed"], rounds_planned=s["rounds_planned"],
+            bytes_up=int(t.get("up") or 0), bytes_down=int(t.get("down") or 0), bytes_up_raw=int(t.get("raw") or 0),
+            heartbeat_age_s=max(0.0, (now - beat).total_seconds()) if beat is not None else None,
+        ))
+        windows.extend(_datacenter_windows(conn, run_id, window_rounds))
+    return MetricsSnapshot(runs=runs, windows=windows, datacenters=datacenters(conn, now=now), window_rounds=window_rounds)
+
+
+def _datacenter_windows(conn: Connection, run_id: str, window_rounds: int) -> list[DatacenterWindow]:
+    dc = DATACENTER_ROUNDS
+    newest = conn.execute(select(func.max(dc.c.round)).where(dc.c.run_id == run_id)).scalar()
+    if newest is None:
+        return []
+    stmt = (select(dc.c.datacenter, dc.c.status, func.count().label("n"),
+                   func.sum(dc.c.compute_s).label("compute_s"), func.sum(dc.c.comm_s).label("comm_s"),
+                   func.sum(dc.c.overhead_s).label("overhead_s"))
+            .where(dc.c.run_id == run_id, dc.c.round > newest - window_rounds)
+            .group_by(dc.c.datacenter, dc.c.status).order_by(dc.c.datacenter, dc.c.status))
+    grouped: dict[str, list[Mapping[str, Any]]] = {}
+    for row in conn.execute(stmt).mappings():
+        grouped.setdefault(row["datacenter"], []).append(row)
+    out = []
+    for name, rows in grouped.items():
+        ok = [r for r in rows if r["status"] == "ok"]  # durations of accepted rounds only
+
+        def total(field: str) -> float:
+            return float(sum(finite_or_none(r[field]) or 0.0 for r in ok))
+
+        out.append(DatacenterWindow(run_id=run_id, datacenter=name, rounds=sum(int(r["n"]) for r in rows),
+                                    compute_s=total("compute_s"), comm_s=total("comm_s"), overhead_s=total("overhead_s"),
+                                    by_status={r["status"]: int(r["n"]) for r in rows}))
+    return out
+
+
+# ------------------------------------------------------------------ health
+
+
+def database_health(conn: Connection) -> dict[str, Any]:
+    """Whether the database answers and holds crossdc's schema: ``answers``, ``schema_revision``, ``latency_ms``.
+
+    Raises SQLAlchemy's errors when the database does not answer; a database without the schema answers with
+    ``schema_revision`` ``None``.
+    """
+    started = time.perf_counter()
+    conn.exec_driver_sql("SELECT 1").scalar()
+    latency_ms = 1000 * (time.perf_counter() - started)
+    revision = None
+    if inspect(conn).has_table("alembic_version"):  # else never migrated
+        revision = conn.execute(text("SELECT version_num FROM alembic_version")).scalar()
+    return {"answers": True, "schema_revision": revision, "latency_ms": latency_ms}
+
+
+__all__ = [
+    "MAX_PAGE_SIZE",
+    "STALE_AFTER_MIN_S",
+    "STALE_AFTER_SLOWEST_ROUNDS",
+    "DatacenterWindow",
+    "EffectiveStatus",
+    "MetricsSnapshot",
+    "Page",
+    "RunMetrics",
+    "as_utc",
+    "async_updates_page",
+    "could_be_run_id",
+    "database_health",
+    "datacenter_rounds_page",
+    "datacenters",
+    "effective_status",
+    "events_page",
+    "finite_or_none",
+    "last_round",
+    "list_run_summaries",
+    "metrics_snapshot",
+    "rounds_page",
+    "run_detail",
+    "run_exists",
+    "run_is_running",
+    "stale_after_s",
+    "stale_running_run_ids",
+    "storable",
+    "utcnow",
+]
