@@ -3,9 +3,11 @@
 from __future__ import annotations
 
 import json
+import signal
 import subprocess
 from pathlib import Path
 
+import httpx
 import pytest
 
 from conftest import CROSSDC  # noqa: E402
@@ -60,11 +62,28 @@ def test_run_json_reports_the_gap_to_both_baselines(tmp_path: Path) -> None:
 @pytest.mark.deployment
 @pytest.mark.timeout(600)
 def test_demo_quick_smoke(tmp_path: Path) -> None:
-    """What CI runs as the smoke test of the main job: 4 datacenters, 2 rounds, both baselines, the table."""
-    completed = crossdc("demo", "--quick", "--port", str(free_port()), cwd=tmp_path)
-    run_id = completed.stdout.strip().splitlines()[-1]
-    for text in ("4 datacenters", "all workers", "sequential", "gap", "communication", "overhead"):
-        assert text in completed.stderr, text
+    """What CI runs as the smoke test of the main job: 4 datacenters, 2 rounds, both baselines, the table, and the
+    dashboard it prints the URL of (kept serving after the table here, then stopped with Ctrl-C)."""
+    dashboard_port = free_port()
+    demo = subprocess.Popen([CROSSDC, "demo", "--quick", "--port", str(free_port()), "--dashboard-port", str(dashboard_port),
+                             "--keep-serving"], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=tmp_path)
+    try:
+        assert demo.stdout is not None
+        run_id = demo.stdout.readline().strip()  # printed once the table is out; the dashboard still serves
+        assert run_id, demo.stderr.read() if demo.stderr else ""
+        base = f"http://127.0.0.1:{dashboard_port}"
+        page = httpx.get(f"{base}/runs/{run_id}", timeout=30)
+        assert page.status_code == 200 and "plotly" in page.text
+        assert httpx.get(f"{base}/api/runs/{run_id}", timeout=30).json()["status"] == "finished"
+        demo.send_signal(signal.SIGINT)
+        stderr = demo.communicate(timeout=60)[1]
+    finally:
+        if demo.poll() is None:
+            demo.kill()
+    assert demo.returncode == 0, stderr[-3000:]
+    assert "Traceback" not in stderr
+    for text in ("4 datacenters", "all workers", "sequential", "gap", "communication", "overhead", f"dashboard: {base}/"):
+        assert text in stderr, text
     engine = make_engine(f"sqlite:///{tmp_path / 'crossdc.db'}")  # the default database, in the working folder
     try:
         runs = list_runs(engine)

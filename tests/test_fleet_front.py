@@ -64,12 +64,16 @@ def test_supernode_joins_through_the_front_and_control_api_is_refused(tmp_path: 
         stranger = processes.start("stranger", [str(BIN / "flower-supernode"), "--superlink", f"127.0.0.1:{front_port}",
                                                 "--port", str(free_port()), "--max-retries", "1"],
                                    tmp_path / "stranger.log", env=env)
-        time.sleep(4)
+        refused_tls = False
+        deadline = time.monotonic() + 60
+        while not refused_tls and time.monotonic() < deadline:
+            time.sleep(0.5)
+            stranger_log = (tmp_path / "stranger.log").read_text(errors="replace")
+            refused_tls = "certificate verify failed" in stranger_log.lower()
+        assert refused_tls, stranger_log[-2000:]
         polls = sum(n for (path, _), n in front.stats.forwarded.items())
-        stranger_log = (tmp_path / "stranger.log").read_text(errors="replace")
-        assert "CERTIFICATE_VERIFY_FAILED" in stranger_log or "certificate verify failed" in stranger_log.lower(), stranger_log[-2000:]
         # only the trusted node's polls moved the counter (at most a few per second)
-        assert polls - before < 20
+        assert polls - before < 60
         del stranger
     finally:
         if front is not None:

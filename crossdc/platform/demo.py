@@ -13,24 +13,42 @@ from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 from rich.table import Table
 
-from crossdc.db.engine import make_engine, resolve_database_url, safe_url, upgrade
+from crossdc.db.engine import absolute_database_url, make_engine, resolve_database_url, safe_url, upgrade
 from crossdc.db.queries import list_datacenter_rounds
 from crossdc.platform.baselines import BASELINE_KINDS, gap_to, run_baseline
 from crossdc.platform.config import load_config, with_rounds
+from crossdc.platform.background_server import BackgroundServer, start_background, uvicorn_config
 from crossdc.platform.local_run import LocalRunOptions, run_local
+from crossdc.platform.processes import PortInUse, ensure_port_free
 
 QUICK_ROUNDS = 2
 
 
-def run_demo(config_path: Path, quick: bool, db: str | None, port: int, runs_dir: Path) -> dict[str, Any]:
-    """Run the demo federation, then both single-datacenter baselines; print progress and a final table."""
+def start_dashboard(db_url: str, port: int, console: Console) -> BackgroundServer | None:
+    """The dashboard over the demo's database on 127.0.0.1:`port`, or None (and why) if it cannot start."""
+    from crossdc.dashboard.app import create_app
+
+    try:
+        ensure_port_free("127.0.0.1", port)
+        return start_background(uvicorn_config(create_app(db_url), "127.0.0.1", port), "dashboard")
+    except (PortInUse, RuntimeError) as err:
+        console.print(f"dashboard: not started ({err}); run `crossdc serve --db {safe_url(db_url)} --port N` to see this run")
+        return None
+
+
+def run_demo(config_path: Path, quick: bool, db: str | None, port: int, runs_dir: Path, dashboard_port: int = 8080,
+             keep_serving: bool = False) -> dict[str, Any]:
+    """Run the demo federation, then both single-datacenter baselines; print progress and a final table.
+
+    The dashboard serves the run log while the demo runs (its URL is printed first); with `keep_serving` it stays
+    up after the table until Ctrl-C."""
     console = Console(stderr=True)
     if not console.is_terminal:  # a log file or a pipe: do not wrap the table at 80 columns
         console = Console(stderr=True, width=150)
     config = load_config(config_path)
     if quick:
         config = with_rounds(config, QUICK_ROUNDS)
-    db_url = resolve_database_url(db)
+    db_url = absolute_database_url(resolve_database_url(db))
     upgrade(db_url)
     names = ", ".join(config.datacenter_names)
     console.print(f"[bold]crossdc demo[/]: {len(config.datacenters)} datacenters ({names}), {config.workload.dataset} "
@@ -38,7 +56,18 @@ def run_demo(config_path: Path, quick: bool, db: str | None, port: int, runs_dir
     links = sorted({dc.link.describe() if dc.link else "loopback (not emulated)" for dc in config.datacenters})
     console.print(f"database: {safe_url(db_url)}")
     console.print(f"WAN links, emulated by crossdc's link relay between each SuperNode and the SuperLink: {', '.join(links)}")
-    console.print("dashboard: not built yet (see `crossdc serve`); the run log is in the database above")
+    dashboard = start_dashboard(db_url, dashboard_port, console)
+    if dashboard is not None:
+        console.print(f"dashboard: [bold]{dashboard.url}/[/] (live while the demo runs)")
+    try:
+        return _run_and_report(console, config, db_url, port, runs_dir, dashboard, keep_serving)
+    finally:
+        if dashboard is not None:
+            dashboard.stop()
+
+
+def _run_and_report(console: Console, config: Any, db_url: str, port: int, runs_dir: Path, dashboard: BackgroundServer | None,
+                    keep_serving: bool) -> dict[str, Any]:
     started = time.perf_counter()
     with Progress(TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
                   TextColumn("{task.fields[status]}"), console=console) as progress:
@@ -59,7 +88,16 @@ def run_demo(config_path: Path, quick: bool, db: str | None, port: int, runs_dir
                                            progress=lambda rows, bar=bar: progress.update(bar, completed=len(rows)))
     breakdown = _time_breakdown(db_url, federated["run_id"])
     _print_table(console, config, federated, baselines, breakdown, time.perf_counter() - started)
+    if dashboard is not None:
+        console.print(f"this run on the dashboard: {dashboard.url}/runs/{federated['run_id']}")
     typer.echo(federated["run_id"])
+    if dashboard is not None and keep_serving:
+        console.print("the dashboard keeps serving; Ctrl-C stops it")
+        try:
+            while dashboard.thread.is_alive():
+                time.sleep(1)
+        except KeyboardInterrupt:
+            pass
     return {"federated": federated, "baselines": baselines, "breakdown": breakdown}
 
 

@@ -16,10 +16,8 @@ it through this front, which promises:
 
 from __future__ import annotations
 
-import asyncio
 import contextlib
 import logging
-import threading
 from collections import Counter
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
@@ -32,6 +30,8 @@ from starlette.background import BackgroundTask
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
+
+from crossdc.platform.background_server import BackgroundServer, start_background, uvicorn_config
 
 log = logging.getLogger("crossdc.fleet_front")
 
@@ -88,41 +88,31 @@ def create_front(upstream: str, stats: FrontStats | None = None, timeout_s: floa
     return app
 
 
-@dataclass
-class FrontServer:
-    """A running front (in a background thread of this process)."""
-
-    server: uvicorn.Server
-    thread: threading.Thread
-    stats: FrontStats
-    url: str
-
-    def stop(self, timeout_s: float = 10.0) -> None:
-        self.server.should_exit = True
-        self.thread.join(timeout=timeout_s)
-
-
 def front_config(upstream: str, host: str, port: int, certfile: Path | None, keyfile: Path | None,
                  stats: FrontStats) -> uvicorn.Config:
     """uvicorn settings of a front (TLS when a certificate is given)."""
     if (certfile is None) != (keyfile is None):
         raise ValueError("give both the certificate and its key, or neither")
-    return uvicorn.Config(create_front(upstream, stats), host=host, port=port, log_level="warning", access_log=False,
+    return uvicorn_config(create_front(upstream, stats), host, port,
                           ssl_certfile=str(certfile) if certfile else None, ssl_keyfile=str(keyfile) if keyfile else None)
 
 
-def start_front(upstream: str, host: str, port: int, certfile: Path | None = None, keyfile: Path | None = None,
-                ready_timeout_s: float = 15.0) -> FrontServer:
+@dataclass
+class RunningFront:
+    """A front serving in a background thread, with its counters."""
+
+    server: BackgroundServer
+    stats: FrontStats
+
+    @property
+    def url(self) -> str:
+        return self.server.url
+
+    def stop(self) -> None:
+        self.server.stop()
+
+
+def start_front(upstream: str, host: str, port: int, certfile: Path | None = None, keyfile: Path | None = None) -> RunningFront:
     """Start a front in a background thread; returns once it accepts connections."""
     stats = FrontStats()
-    server = uvicorn.Server(front_config(upstream, host, port, certfile, keyfile, stats))
-    thread = threading.Thread(target=lambda: asyncio.run(server.serve()), name="fleet-front", daemon=True)
-    thread.start()
-    waited = 0.0
-    while not server.started:
-        if not thread.is_alive() or waited > ready_timeout_s:
-            raise RuntimeError(f"the Fleet API front did not start on {host}:{port}")
-        threading.Event().wait(0.05)
-        waited += 0.05
-    scheme = "https" if certfile else "http"
-    return FrontServer(server, thread, stats, f"{scheme}://{host}:{port}")
+    return RunningFront(start_background(front_config(upstream, host, port, certfile, keyfile, stats), "fleet-front"), stats)
