@@ -44,8 +44,10 @@ def _user_errors() -> tuple[type[BaseException], ...]:
     from crossdc.strategies.base import StrategyError
     from crossdc.workloads import WorkloadError
 
+    from crossdc.platform.tls import CertificateError
+
     errors: list[type[BaseException]] = [ConfigError, StrategyError, WorkloadError, PortInUse, RunFailed,
-                                          DatabaseUnavailable, TrainerFailed, TrainerUnavailable]
+                                          DatabaseUnavailable, TrainerFailed, TrainerUnavailable, CertificateError]
     try:
         from crossdc.db.errors import InvalidDatabaseUrl
         errors.append(InvalidDatabaseUrl)
@@ -178,11 +180,16 @@ def demo(
     db: str | None = DB_OPTION,
     port: int = typer.Option(8000, "--port", min=1, max=65535, help="Port of the local SuperLink."),
     runs_dir: Path = typer.Option(Path("runs"), "--runs-dir"),
+    dashboard_port: int = typer.Option(8080, "--dashboard-port", min=1, max=65535, help="Port of the dashboard (127.0.0.1)."),
+    keep_serving: bool | None = typer.Option(None, "--keep-serving/--no-keep-serving",
+                                             help="Keep the dashboard up after the table (default: when run in a terminal)."),
 ) -> None:
-    """4 datacenters, naturally non-IID Shakespeare, over loopback; then the all-workers baseline and a comparison table."""
+    """4 datacenters, naturally non-IID Shakespeare, over emulated transoceanic links; then both single-datacenter
+    baselines and a comparison table. The dashboard's URL is printed at the start."""
     from crossdc.platform.demo import run_demo
 
-    run_demo(DEMO_CONFIG, quick=quick, db=db, port=port, runs_dir=runs_dir)
+    stay = sys.stdin.isatty() and sys.stdout.isatty() if keep_serving is None else keep_serving
+    run_demo(DEMO_CONFIG, quick=quick, db=db, port=port, runs_dir=runs_dir, dashboard_port=dashboard_port, keep_serving=stay)
 
 
 @app.command()
@@ -192,9 +199,24 @@ def resume(run_id: str, db: str | None = DB_OPTION) -> None:
 
 
 @app.command()
-def serve(host: str = "127.0.0.1", port: int = 8080, db: str | None = DB_OPTION) -> None:
-    """API + dashboard (not implemented yet)."""
-    fail("serve is not implemented yet (the dashboard is its own work item)")
+@_guard
+def serve(
+    host: str = typer.Option("127.0.0.1", "--host", help="Address to listen on (0.0.0.0: every interface)."),
+    port: int = typer.Option(8080, "--port", min=1, max=65535, help="Port to listen on (Flower's SuperLink has 8000)."),
+    db: str | None = DB_OPTION,
+) -> None:
+    """The JSON API (/api, OpenAPI at /docs), Prometheus /metrics and the dashboard, read-only over the run log."""
+    import uvicorn
+
+    from crossdc.dashboard.app import create_app
+    from crossdc.db.engine import absolute_database_url, resolve_database_url, safe_url
+    from crossdc.platform.processes import ensure_port_free
+
+    url = absolute_database_url(resolve_database_url(db))
+    ensure_port_free(host, port)
+    app_ = create_app(url)
+    typer.echo(f"crossdc: serving {safe_url(url)} on http://{host}:{port}/ (API docs at /docs); Ctrl-C stops", err=True)
+    uvicorn.run(app_, host=host, port=port, log_level="warning", access_log=False)
 
 
 @db_app.command("upgrade")
@@ -212,20 +234,9 @@ def db_upgrade(db: str | None = DB_OPTION) -> None:
 @_guard
 def strategies_list(as_json: bool = typer.Option(False, "--json")) -> None:
     """List registered strategies with their parameters."""
-    from importlib.metadata import entry_points
+    from crossdc.strategies.registry import describe_strategies
 
-    from crossdc.strategies.registry import ENTRY_POINT_GROUP, available_strategies
-
-    origin = {ep.name: ep.value for ep in entry_points(group=ENTRY_POINT_GROUP)}
-    rows = []
-    for name, cls in sorted(available_strategies().items()):
-        rows.append({
-            "name": name,
-            "source": "built-in" if origin[name].startswith("crossdc.") else "plug-in",
-            "class": origin[name],
-            "parameters": {k: spec.describe() for k, spec in cls.parameters.items()},
-            "summary": (cls.__doc__ or "").strip().splitlines()[0],
-        })
+    rows: list[dict[str, Any]] = describe_strategies()  # type: ignore[assignment]
     if as_json:
         typer.echo(json.dumps(rows))
         return
@@ -237,17 +248,16 @@ def strategies_list(as_json: bool = typer.Option(False, "--json")) -> None:
 @codecs_app.command("list")
 @_guard
 def codecs_list(as_json: bool = typer.Option(False, "--json")) -> None:
-    """List registered codecs (entry-point group crossdc.codecs)."""
-    from importlib.metadata import entry_points
+    """List registered codecs (entry-point group crossdc.codecs) with their parameters."""
+    from crossdc.compression.base import describe_codecs
 
-    rows = [{"name": ep.name, "class": ep.value} for ep in entry_points(group="crossdc.codecs")]
+    rows = describe_codecs()
     if as_json:
         typer.echo(json.dumps(rows))
-    elif not rows:
-        typer.echo("no codecs registered yet (compression is its own work item); updates travel as dense fp32")
-    else:
-        for row in rows:
-            typer.echo(f"{row['name']:<12} {row['class']}")
+        return
+    for row in rows:
+        params = ", ".join(f"{k}={v['default']}" for k, v in row["parameters"].items()) or "no parameters"
+        typer.echo(f"{row['name']:<10} {row['stage']:<9} {row['source']:<9} {row['summary']}  [{params}]")
 
 
 @app.command()
@@ -325,6 +335,50 @@ def plan(
     both = "impossible (latency alone exceeds the target)" if compression_both is None else f"{compression_both:.4g}x"
     up = "impossible (the downlink and latency alone exceed the target)" if compression_up is None else f"{compression_up:.4g}x"
     typer.echo(f"compression for comm/comp <= {target_ratio:g} at tau {tau}: {both} both ways; uplink only: {up}")
+
+
+@app.command()
+@_guard
+def certs(
+    out: Path = typer.Option(Path("certs"), "--out", help="Directory for ca.pem, ca.key, server.pem, server.key."),
+    host: list[str] = typer.Option(..., "--host", help="Name or IP address the server certificate is valid for (repeat)."),
+    days: int = typer.Option(365, "--days", min=1, help="Validity in days."),
+    force: bool = typer.Option(False, "--force", help="Replace existing certificates."),
+) -> None:
+    """Create a private CA and a server certificate for a test or small deployment (production brings its own)."""
+    from crossdc.platform.tls import make_certificates
+
+    paths = make_certificates(out, host, days=days, force=force)
+    typer.echo(f"CA certificate (give it to every datacenter): {paths.ca_cert}")
+    typer.echo(f"CA key (keep it offline): {paths.ca_key}")
+    typer.echo(f"server certificate and key for {', '.join(host)}: {paths.server_cert}, {paths.server_key}")
+
+
+@app.command()
+@_guard
+def front(
+    superlink: str = typer.Option("127.0.0.1:9093", "--superlink", help="The SuperLink's private HOST:PORT."),
+    listen: str = typer.Option("0.0.0.0:9092", "--listen", help="HOST:PORT datacenters connect to."),
+    certfile: Path | None = typer.Option(None, "--certfile", help="TLS certificate (e.g. from `crossdc certs`)."),
+    keyfile: Path | None = typer.Option(None, "--keyfile", help="Its private key."),
+    insecure: bool = typer.Option(False, "--insecure", help="Serve plain HTTP (loopback tests only)."),
+) -> None:
+    """Serve the Fleet API of a private SuperLink to datacenters, refusing everything else (Control API included)."""
+    import uvicorn
+
+    from crossdc.platform.fleet_front import FrontStats, front_config
+    from crossdc.platform.processes import ensure_port_free
+
+    if not insecure and (certfile is None or keyfile is None):
+        fail("the front serves TLS: give --certfile and --keyfile (make them with `crossdc certs`), or --insecure on loopback")
+    host, _, port_text = listen.rpartition(":")
+    if not host or not port_text.isdigit():
+        fail(f"--listen must be HOST:PORT, got {listen!r}")
+    ensure_port_free(host, int(port_text))
+    config = front_config(f"http://{superlink}", host, int(port_text), None if insecure else certfile,
+                          None if insecure else keyfile, FrontStats())
+    typer.echo(f"Fleet API front on {'http' if insecure else 'https'}://{listen} → SuperLink {superlink} (Fleet API only)")
+    uvicorn.Server(config).run()
 
 
 def main() -> None:

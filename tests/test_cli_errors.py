@@ -138,8 +138,17 @@ CASES: dict[str, tuple[str | None, list[str], tuple[str, ...]]] = {
     "misspelt-key": (BASE.replace("batch_size = 16", "batchsize = 16"), [], ("'workload.batchsize'", "did you mean 'batch_size'")),
     "unknown-dataset": (BASE.replace('dataset = "synthetic"', 'dataset = "cifar"'), [],
                         ("unknown dataset 'cifar'", "digits", "mnist1d", "shakespeare", "synthetic")),
-    "unknown-strategy": (BASE.replace('name = "fedavg"', 'name = "fedprocs"'), [], ("unknown strategy 'fedprocs'", "fedavg")),
+    "unknown-strategy": (BASE.replace('name = "fedavg"', 'name = "fedprocs"'), [],
+                         ("unknown strategy 'fedprocs'", "diloco", "fedavg", "fedprox", "scaffold")),
     "tau-zero": (BASE.replace("tau = 1", "tau = 0"), [], ("'strategy.tau'", "> 0")),
+    "strategy-param-type": (BASE.replace('name = "fedavg"\ntau = 1', 'name = "fedprox"\ntau = 1\nparams = { mu = "big" }'), [],
+                            ("strategy 'fedprox' parameter 'mu' must be float", "'big'")),
+    "strategy-param-range": (BASE.replace('name = "fedavg"\ntau = 1', 'name = "diloco"\ntau = 1\nparams = { outer_momentum = 1.5 }'), [],
+                             ("strategy 'diloco' parameter 'outer_momentum' must be ≤ 0.999", "1.5")),
+    "strategy-param-unknown": (BASE.replace('name = "fedavg"\ntau = 1', 'name = "scaffold"\ntau = 1\nparams = { eta = 1 }'), [],
+                               ("unknown parameter 'eta' for strategy 'scaffold'", "global_lr")),
+    "strategy-optimizer": (BASE.replace('name = "fedavg"\ntau = 1', 'name = "diloco"\ntau = 1'), [],
+                           ("strategy 'diloco' needs workload.optimizer = \"adamw\"", "\"sgd\"")),
     "zero-datacenters": (BASE.split("[[datacenters]]")[0], [], ("no datacenters",)),
     "invalid-toml": (BASE.replace("[run]", "[run"), [], ("not valid TOML",)),
     "not-implemented": (BASE + '\n[compression]\ncodecs = ["int8"]\n', [], ("'compression.codecs'", "not implemented yet")),
@@ -221,6 +230,13 @@ def test_strategies_list_json(tmp_path: Path) -> None:
     fedavg = next(row for row in rows if row["name"] == "fedavg")
     assert fedavg["source"] == "built-in"
     assert fedavg["parameters"] == {}
+    by_name = {row["name"]: row for row in rows}
+    assert {"fedprox", "scaffold", "diloco"} <= set(by_name)
+    assert all(by_name[n]["source"] == "built-in" for n in ("fedprox", "scaffold", "diloco"))
+    assert by_name["fedprox"]["parameters"]["mu"] == {"type": "float", "default": 0.01, "low": 0.0, "high": None,
+                                                      "help": by_name["fedprox"]["parameters"]["mu"]["help"]}
+    assert by_name["diloco"]["parameters"]["outer_momentum"]["default"] == 0.9
+    assert by_name["scaffold"]["parameters"]["global_lr"]["default"] == 1.0
     assert "Traceback" not in result.stderr
 
 
@@ -262,6 +278,6 @@ def test_db_upgrade_unreachable_postgres_is_one_line(tmp_path: Path) -> None:
 
 
 @pytest.mark.timeout(60)
-@pytest.mark.parametrize("args", [["resume", "abc"], ["serve"]], ids=["resume", "serve"])
+@pytest.mark.parametrize("args", [["resume", "abc"]], ids=["resume"])
 def test_unbuilt_commands_say_not_implemented(tmp_path: Path, args: list[str]) -> None:
     assert_one_error_line(cli(args, tmp_path), "not implemented yet")

@@ -9,7 +9,7 @@ import pytest
 
 from crossdc.platform.update_gate import rejection_reason
 from crossdc.strategies.aggregation import add, cosine, l2_norm, weighted_average
-from crossdc.strategies.base import ClientUpdate, Strategy, StrategyError
+from crossdc.strategies.base import ClientUpdate, Parameter, Strategy, StrategyError
 from crossdc.strategies.fedavg import FedAvgTau
 from crossdc.strategies.registry import available_strategies, strategy_class
 from crossdc.strategies.schedule import tau_for_round
@@ -209,7 +209,7 @@ def test_bad_schedule_fails_at_construction() -> None:
 def test_strategy_parameters_defaults_and_overrides() -> None:
     class WithParams(Strategy):
         name = "with-params"
-        parameters = {"mu": (0.01, "proximal weight"), "beta": (0.9, "momentum")}
+        parameters = {"mu": Parameter(float, 0.01, "proximal weight"), "beta": Parameter(float, 0.9, "momentum")}
 
     s = WithParams(1, 1, 0, params={"mu": 0.5})
     assert s.params == {"mu": 0.5, "beta": 0.9}

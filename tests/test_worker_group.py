@@ -22,12 +22,12 @@ from crossdc.platform.rundir import RunDir
 from conftest import processes_mentioning  # tests/ is on sys.path
 
 
-def experiment(optimizer: str, workers: int) -> dict:
+def experiment(optimizer: str, workers: int, strategy: str = "fedavg", params: dict | None = None) -> dict:
     return {
         "run": {"name": "group", "rounds": 3, "seed": 3},
         "workload": {"dataset": "synthetic", "model": "mlp", "partition": {"kind": "iid"}, "batch_size": 32,
                      "optimizer": optimizer, "lr": 0.05},
-        "strategy": {"name": "fedavg", "tau": 4},
+        "strategy": {"name": strategy, "tau": 4, "params": params or {}},
         "datacenters": [{"name": "dc-a", "workers": workers}],
     }
 
@@ -75,6 +75,54 @@ def test_two_ranks_equal_one_process_on_the_same_global_batch(optimizer: str, tm
     for name in deltas[1]:
         np.testing.assert_allclose(deltas[2][name], deltas[1][name], atol=2e-6, rtol=1e-4)
     assert any(np.abs(d).max() > 1e-3 for d in deltas[1].values())  # it trained
+
+
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("strategy, params", [("fedprox", {"mu": 0.5}), ("scaffold", {})])
+def test_two_ranks_equal_one_process_with_the_strategys_local_hooks(strategy: str, params: dict, tmp_path: Path) -> None:
+    """FedProx's proximal term and SCAFFOLD's correction g − c_i + c on 2 DDP ranks give the same update (and the same
+    Δc_i) as one process; SCAFFOLD's c_i is written once per round, by rank 0, and read back the next round."""
+    from crossdc.clients.state_store import DatacenterStateStore
+    from crossdc.compression.payload import CONTROL_KEY
+
+    weights = initial_weights(experiment("sgd", 1, strategy, params))
+    rng = np.random.default_rng(5)
+    control = {name: (0.05 * rng.normal(size=w.shape)).astype(np.float32) for name, w in weights.items()}  # the server's c
+    received = {CONTROL_KEY: control} if strategy == "scaffold" else {}
+    answers: dict[int, list[dict]] = {}
+    for workers in (1, 2):
+        root = tmp_path / f"w{workers}"
+        service = TrainerService(root, experiment("sgd", workers, strategy, params))
+        try:
+            assert len(service.call({"op": "ping"})["worker_pids"]) == workers
+            answers[workers] = [service.call({"op": "train", "run_id": "group-test", "round": r, "tau": 4, "weights": weights,
+                                              "received": received}) for r in (1, 2)]
+        finally:
+            service.close()
+        store = DatacenterStateStore(RunDir(root).state_root, "group-test", "dc-a")
+        if strategy == "scaffold":
+            c_i, stored_round = store.load("scaffold-control")
+            assert stored_round == 2 and store.keys() == ["local-trainer", "scaffold-control"]
+            deltas_c = [a["extras"][CONTROL_KEY] for a in answers[workers]]
+            for name in c_i:  # c_i starts at 0: after two rounds it is the sum of the two Δc_i sent
+                np.testing.assert_allclose(c_i[name], deltas_c[0][name] + deltas_c[1][name], atol=1e-6)
+            assert answers[workers][1]["metrics"]["control-state-round"] == 2 - 1  # round 2 started from round 1's c_i
+        else:
+            assert store.keys() == ["local-trainer"] and answers[workers][0]["extras"] == {}
+    one, two = answers[1][1], answers[2][1]
+    for name in one["delta"]:
+        np.testing.assert_allclose(two["delta"][name], one["delta"][name], atol=2e-6, rtol=1e-4)
+    for group in one["extras"]:
+        for name in one["extras"][group]:
+            np.testing.assert_allclose(two["extras"][group][name], one["extras"][group][name], atol=2e-5, rtol=1e-4)
+    assert two["metrics"]["train-loss"] == pytest.approx(one["metrics"]["train-loss"], rel=1e-5)
+    # the hooks matter: the same round with FedAvg gives a measurably different update
+    service = TrainerService(tmp_path / "plain", experiment("sgd", 1))
+    try:
+        plain = [service.call({"op": "train", "run_id": "group-test", "round": r, "tau": 4, "weights": weights}) for r in (1, 2)][1]
+    finally:
+        service.close()
+    assert max(float(np.abs(plain["delta"][n] - one["delta"][n]).max()) for n in one["delta"]) > 1e-4
 
 
 @pytest.mark.timeout(300)

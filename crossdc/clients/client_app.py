@@ -18,7 +18,7 @@ from flwr.app import ConfigRecord, Context, Message, MetricRecord, RecordDict
 from flwr.clientapp import ClientApp
 
 from crossdc.clients.channel import call_trainer
-from crossdc.compression.payload import CONFIG_KEY, METRICS_KEY, decode_tensors, encode_tensors
+from crossdc.compression.payload import ARRAYS_KEY, CONFIG_KEY, METRICS_KEY, decode_tensors, encode_tensors, has_tensors
 from crossdc.platform.rundir import RunDir
 
 #: config keys of server → datacenter messages
@@ -49,9 +49,16 @@ def hello(msg: Message, context: Context) -> Message:
     return Message(RecordDict({CONFIG_KEY: ConfigRecord({DATACENTER: datacenter_name(context, known)})}), reply_to=msg)
 
 
+def extra_groups(content: RecordDict) -> dict[str, dict]:
+    """Every tensor group of a message besides the weights (a strategy's, e.g. SCAFFOLD's ``control``), decoded."""
+    return {name: decode_tensors(content, name) for name in content.array_records
+            if name != ARRAYS_KEY and has_tensors(content, name)}
+
+
 @app.train()
 def train(msg: Message, context: Context) -> Message:
-    """Run the round's local steps on the datacenter's trainer and return the update."""
+    """Run the round's local steps on the datacenter's trainer and return the update and the strategy's extra
+    tensor groups (the contract is in crossdc.strategies.base; this adapter knows no strategy)."""
     started = time.perf_counter()
     config = msg.content[CONFIG_KEY]
     datacenter = str(config[DATACENTER])
@@ -67,9 +74,13 @@ def train(msg: Message, context: Context) -> Message:
             "round": int(config[ROUND]),
             "tau": int(config[TAU]),
             "weights": decode_tensors(msg.content),
+            "received": extra_groups(msg.content),
         },
     )
     metrics = dict(answer["metrics"])
     metrics["clientapp-s"] = time.perf_counter() - started
-    content = RecordDict({**encode_tensors(answer["delta"]), METRICS_KEY: MetricRecord(metrics)})
+    records: dict = encode_tensors(answer["delta"])
+    for group, arrays in (answer.get("extras") or {}).items():
+        records.update(encode_tensors(arrays, group))
+    content = RecordDict({**records, METRICS_KEY: MetricRecord(metrics)})
     return Message(content, reply_to=msg)

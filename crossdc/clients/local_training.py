@@ -110,8 +110,16 @@ class LocalTrainer:
     def get_weights(self) -> dict[str, np.ndarray]:
         return model_weights(self.model)
 
-    def train_steps(self, steps: int, extra_loss: Any = None) -> StepsResult:
-        """Run exactly `steps` optimizer steps; `extra_loss(model)` (optional) is added to each step's loss."""
+    def parameter_names(self) -> frozenset[str]:
+        """Names of the trainable tensors (the rest of the weights are buffers)."""
+        return frozenset(name for name, p in self.model.named_parameters() if p.requires_grad)
+
+    def train_steps(self, steps: int, extra_loss: Any = None, after_backward: Any = None) -> StepsResult:
+        """Run exactly `steps` optimizer steps.
+
+        `extra_loss(model)` (optional) is added to each step's loss (not to the reported loss); `after_backward(model)`
+        (optional) runs once the step's gradients are complete — with W > 1 ranks after DistributedDataParallel
+        averaged them — and before the optimizer steps (a strategy's gradient correction)."""
         if steps < 1:
             raise ValueError(f"steps must be ≥ 1, got {steps}")
         self.model.train()
@@ -127,6 +135,8 @@ class LocalTrainer:
             loss = self.workload.loss(self.forward(inputs), targets)
             objective = loss if extra_loss is None else loss + extra_loss(self.model)
             objective.backward()
+            if after_backward is not None:
+                after_backward(self.model)
             self.optimizer.step()
             total_loss += float(loss.detach())
         mean_loss = total_loss / steps

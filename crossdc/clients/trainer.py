@@ -11,9 +11,11 @@ only rank 0 talks to the ClientApp.
 
 Protocol (one request per connection, pickled dicts):
 - ``{"op": "ping"}`` → ``{"ok": True, "pid", "worker_pids", "datacenter", "run_id", "group_start_s"}``
-- ``{"op": "train", "run_id", "round", "tau", "weights": {name: ndarray}}`` →
-  ``{"ok": True, "delta": {name: ndarray}, "metrics": {...}}`` where delta is
-  w_local − w_global after exactly `tau` steps.
+- ``{"op": "train", "run_id", "round", "tau", "weights": {name: ndarray}, "received": {group: {name: ndarray}}}`` →
+  ``{"ok": True, "delta": {name: ndarray}, "extras": {group: {name: ndarray}}, "metrics": {...}}`` where delta is
+  w_local − w_global after exactly `tau` steps with the run's strategy's local hooks, `received` the message's
+  extra tensor groups (e.g. SCAFFOLD's ``control``) and `extras` the strategy's tensor groups for the reply
+  (see :mod:`crossdc.clients.local_round` and :mod:`crossdc.strategies.base`).
 - any failure → ``{"ok": False, "error": "one line"}``; the trainer keeps serving.
 """
 
@@ -30,14 +32,15 @@ from multiprocessing.connection import Listener
 from pathlib import Path
 from typing import Any
 
-import numpy as np
 import torch
 import torch.distributed as dist
 
-from crossdc.clients.worker import GROUP_TIMEOUT, TRAINER_STATE_KEY, backend, build_rank
+from crossdc.clients.local_round import run_local_round
+from crossdc.clients.worker import GROUP_TIMEOUT, backend, build_rank
 from crossdc.platform.config import parse_config
 from crossdc.platform.processes import die_with_parent
 from crossdc.platform.rundir import RunDir
+from crossdc.strategies.base import StrategyError
 
 log = logging.getLogger("crossdc.trainer")
 
@@ -58,6 +61,7 @@ class DatacenterTrainer:
             raise ValueError(f"datacenter '{datacenter}' is not in the run's config ({', '.join(config.datacenter_names)})")
         self.run_dir, self.run_id, self.datacenter = run_dir, settings["run_id"], datacenter
         self.world = next(dc.workers for dc in config.datacenters if dc.name == datacenter)
+        self.lr = config.workload.lr
         self.generation = 0
         self.workers: list[subprocess.Popen[bytes]] = []
         started = time.perf_counter()
@@ -80,7 +84,7 @@ class DatacenterTrainer:
             ]
             log_file.close()
             dist.init_process_group(backend(), init_method=f"file://{rendezvous}", rank=0, world_size=self.world, timeout=GROUP_TIMEOUT)
-        self.trainer, self.store, self.last_round = build_rank(self.run_dir, self.datacenter, 0, self.world)
+        self.trainer, self.store, self.last_round, self.strategy = build_rank(self.run_dir, self.datacenter, 0, self.world)
         if self.last_round:
             log.info("%s: local state of round %d restored", self.datacenter, self.last_round)
 
@@ -130,37 +134,27 @@ class DatacenterTrainer:
         dead = [w.pid for w in self.workers if w.poll() is not None]
         global_weights = request["weights"]
         pids = self.worker_pids()
+
+        def broadcast(command: dict[str, Any]) -> None:
+            dist.broadcast_object_list([command], src=0)
+
         try:
             if dead:
                 raise RuntimeError(f"local worker(s) {dead} of the group had exited")
-            if self.world > 1:
-                dist.broadcast_object_list([{"op": "train", "tau": tau, "weights": global_weights}], src=0)
-            self.trainer.set_weights(global_weights)
-            result = self.trainer.train_steps(tau)
+            answer = run_local_round(self.strategy, self.trainer, self.store, self.datacenter, server_round, tau, self.lr,
+                                     global_weights, request.get("received") or {},
+                                     broadcast if self.world > 1 else None)
+        except StrategyError as err:  # the message breaks the strategy's contract: the group itself is fine
+            return {"ok": False, "error": f"{self.datacenter}: {err}".splitlines()[0]}
         except Exception as err:  # a rank failed: this datacenter's round fails; a fresh group serves the next
             message = f"local training failed on {self.datacenter} ({type(err).__name__}: {err})".splitlines()[0]
             log.error("%s; restarting the worker group", message)
             self._stop_group(graceful=False)
             self._start_group()
             return {"ok": False, "error": message}
-        local = self.trainer.get_weights()
-        delta = {name: local[name] - np.asarray(global_weights[name], dtype=np.float32) for name in local}
-        started = time.perf_counter()
-        self.store.save(TRAINER_STATE_KEY, self.trainer.state_dict(), server_round)
         self.last_round = server_round
-        return {
-            "ok": True,
-            "delta": delta,
-            "metrics": {
-                "num-examples": result.num_examples,
-                "train-loss": result.mean_loss,
-                "compute-s": result.compute_s,
-                "state-save-s": time.perf_counter() - started,
-                "trainer-pid": os.getpid(),
-                "workers": self.world,
-                "worker-pids": pids,
-            },
-        }
+        answer["metrics"].update({"trainer-pid": os.getpid(), "workers": self.world, "worker-pids": pids})
+        return {"ok": True, **answer}
 
 
 def serve(run_dir: RunDir, datacenter: str) -> None:

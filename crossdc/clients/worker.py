@@ -16,23 +16,26 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
+from crossdc.clients.local_round import TRAINER_STATE_KEY, train_with_plan
 from crossdc.clients.local_training import LocalTrainer
 from crossdc.clients.state_store import DatacenterStateStore
 from crossdc.platform.config import parse_config
-from crossdc.platform.experiment import build_workload, datacenter_seed
+from crossdc.platform.experiment import build_strategy, build_workload, datacenter_seed
 from crossdc.platform.rundir import RunDir
+from crossdc.strategies.base import Strategy
 
 log = logging.getLogger("crossdc.worker")
 
 GROUP_TIMEOUT = timedelta(seconds=120)
-#: the state-store key the group's local trainer state lives under (written by rank 0 only)
-TRAINER_STATE_KEY = "local-trainer"
+__all__ = ["GROUP_TIMEOUT", "TRAINER_STATE_KEY", "backend", "build_rank", "follow"]
 
 
-def build_rank(run_dir: RunDir, datacenter: str, rank: int, world: int) -> tuple[LocalTrainer, DatacenterStateStore, int]:
-    """This rank's local trainer, restored from the datacenter's state store; (trainer, store, last round)."""
+def build_rank(run_dir: RunDir, datacenter: str, rank: int, world: int) -> tuple[LocalTrainer, DatacenterStateStore, int, Strategy]:
+    """This rank's local trainer, restored from the datacenter's state store, and the run's strategy (its datacenter
+    half); (trainer, store, last round, strategy)."""
     settings = run_dir.settings()
     config = parse_config(settings["config"])
+    strategy = build_strategy(config)
     workload = build_workload(config)
     w = config.workload
     trainer = LocalTrainer(workload, workload.shard(datacenter), w.batch_size, w.optimizer, w.lr,
@@ -43,7 +46,7 @@ def build_rank(run_dir: RunDir, datacenter: str, rank: int, world: int) -> tuple
     if stored is not None:
         state, last_round = stored
         trainer.load_state_dict(state)
-    return trainer, store, last_round
+    return trainer, store, last_round, strategy
 
 
 def backend() -> str:
@@ -55,8 +58,8 @@ def backend() -> str:
     return "gloo"
 
 
-def follow(trainer: LocalTrainer) -> None:
-    """Run rank 0's commands until "stop"."""
+def follow(trainer: LocalTrainer, strategy: Strategy) -> None:
+    """Run rank 0's commands until "stop" (each "train" with the strategy's hooks, built from rank 0's plan)."""
     while True:
         box: list[object] = [None]
         dist.broadcast_object_list(box, src=0)
@@ -64,8 +67,7 @@ def follow(trainer: LocalTrainer) -> None:
         if not isinstance(command, dict) or command.get("op") == "stop":
             return
         if command.get("op") == "train":
-            trainer.set_weights(command["weights"])
-            trainer.train_steps(int(command["tau"]))
+            train_with_plan(strategy, trainer, int(command["tau"]), command["weights"], command.get("plan") or {})
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -81,8 +83,8 @@ def main(argv: list[str] | None = None) -> None:
     dist.init_process_group(backend(), init_method=f"file://{args.rendezvous}", rank=args.rank, world_size=args.world,
                             timeout=GROUP_TIMEOUT)
     try:
-        trainer, _, _ = build_rank(RunDir(Path(args.run_dir)), args.datacenter, args.rank, args.world)
-        follow(trainer)
+        trainer, _, _, strategy = build_rank(RunDir(Path(args.run_dir)), args.datacenter, args.rank, args.world)
+        follow(trainer, strategy)
     except Exception as err:  # rank 0 went away or the group broke: this rank ends, rank 0 decides
         log.warning("rank %d of %s stops: %s", args.rank, args.datacenter, err)
     finally:

@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 
 from crossdc.platform.config import ExperimentConfig
-from crossdc.strategies.base import Strategy
+from crossdc.strategies.base import RunInfo, Strategy
 from crossdc.strategies.registry import strategy_class
 from crossdc.workloads import Workload, WorkloadSpec, load_workload
 
@@ -21,9 +21,18 @@ def build_workload(config: ExperimentConfig) -> Workload:
     return load_workload(workload_spec(config), config.datacenter_names, config.run.seed)
 
 
+def run_info(config: ExperimentConfig) -> RunInfo:
+    """What a strategy may check about the run: its datacenters and inner optimizer."""
+    return RunInfo(datacenters=tuple(config.datacenter_names), optimizer=config.workload.optimizer, lr=config.workload.lr)
+
+
 def build_strategy(config: ExperimentConfig) -> Strategy:
+    """The configured strategy, its parameters checked and bound to the run (StrategyError naming the strategy and
+    the parameter or key otherwise). The server and every datacenter's trainer build it the same way."""
     s = config.strategy
-    return strategy_class(s.name)(s.tau.start, s.tau.end, s.tau.warmup_rounds, s.tau.kind, s.params)
+    strategy = strategy_class(s.name)(s.tau.start, s.tau.end, s.tau.warmup_rounds, s.tau.kind, s.params)
+    strategy.bind(run_info(config))
+    return strategy
 
 
 def initial_model(config: ExperimentConfig, workload: Workload) -> torch.nn.Module:

@@ -47,6 +47,8 @@ MAX_POLL_INTERVAL_S = 0.25
 #: a run stops when this many rounds in a row produced no usable update
 MAX_ROUNDS_WITHOUT_UPDATES = 3
 DISCOVERY_TIMEOUT_S = 180.0
+#: how long a round waits for a newly seen SuperNode (a restarted datacenter) to say who it is
+REDISCOVERY_TIMEOUT_S = 60.0
 
 
 class FederationError(RuntimeError):
@@ -114,6 +116,34 @@ def discover_datacenters(grid: Grid, config: ExperimentConfig, runlog: RunLog, r
     return mapping
 
 
+def rediscover(grid: Grid, nodes: dict[str, int], seen: set[int], config: ExperimentConfig, runlog: RunLog, run_id: str,
+               server_round: int, timeout_s: float = REDISCOVERY_TIMEOUT_S) -> None:
+    """A SuperNode that restarts registers under a new node id: ask every node not seen before who it is, and
+    move its datacenter to the new id (in `nodes`, in place), with a ``datacenter-rejoined`` event. `seen` holds
+    the node ids already placed (current, replaced, or not a configured datacenter); it grows here. Costs one
+    call to the SuperLink per round when nothing changed."""
+    new_ids = [node for node in grid.get_node_ids() if node not in seen and node not in nodes.values()]
+    if not new_ids:
+        return
+    content = RecordDict({CONFIG_KEY: ConfigRecord({wire.HELLO_DATACENTERS: ",".join(config.datacenter_names)})})
+    ids = list(grid.push_messages([Message(content, dst_node_id=node, message_type=MessageType.QUERY, ttl=timeout_s)
+                                   for node in new_ids]))
+    for reply in collect_replies(grid, ids, timeout_s).values():
+        node = reply.message.metadata.src_node_id
+        try:
+            name = str(reply.message.content[CONFIG_KEY][wire.DATACENTER])
+        except Exception:  # an error reply: ask again next round
+            continue
+        seen.add(node)
+        if name not in nodes:
+            runlog.log_event(run_id=run_id, kind="unknown-datacenter", round=server_round, detail=f"node {node} says it is '{name}'")
+            continue
+        runlog.log_event(run_id=run_id, kind="datacenter-rejoined", round=server_round, datacenter=name,
+                         detail={"old_node_id": str(nodes[name]), "new_node_id": str(node)})
+        seen.add(nodes[name])
+        nodes[name] = node
+
+
 def _link_measurements(link: LedgerReader, start: float, end: float) -> dict[str, Any]:
     """What the datacenter's link carried for the round's messages during [start, end]: comm_s (seconds
     the link was busy with them), how that was obtained, and their bytes in each direction (protocol
@@ -170,8 +200,11 @@ class Judged:
 
 
 def judge_reply(reply: Reply | None, weights: dict[str, np.ndarray], tau: int, batch_size: int, pushed_at: float,
-                timeout_reason: str) -> Judged:
-    """Pass one reply through the gate: a row with status ok, failed, timeout or rejected (with its reason)."""
+                timeout_reason: str, reply_groups: tuple[str, ...] = ()) -> Judged:
+    """Pass one reply through the gate: a row with status ok, failed, timeout or rejected (with its reason).
+
+    Every tensor group the strategy needs (`reply_groups`, e.g. SCAFFOLD's ``control``) must be present and pass
+    the same checks as the update (names, shapes, dtypes of the weights, finite values); a missing one rejects."""
     if reply is None:
         return Judged({"status": "timeout", "reason": timeout_reason}, replied=False)
     row: dict[str, Any] = {"round_s": reply.received_at - pushed_at}
@@ -191,6 +224,10 @@ def judge_reply(reply: Reply | None, weights: dict[str, np.ndarray], tau: int, b
         train_loss = float(metrics.get("train-loss", float("nan")))
         worker_pids = tuple(int(p) for p in metrics.get("worker-pids", [metrics.get("trainer-pid", -1)]))
         reason = rejection_reason(delta, weights)
+        extras = {group: decode_tensors(content, group) for group in reply_groups}
+        for group, arrays in extras.items():
+            if reason is None and (problem := rejection_reason(arrays, weights)) is not None:
+                reason = f"tensor group '{group}': {problem}"
     except Exception as err:  # a reply that is not what the contract says
         return Judged({**row, "status": "rejected", "reason": f"malformed reply: {type(err).__name__}: {err}"[:500]})
     if reason is None and not 0 < num_examples <= tau * batch_size:
@@ -199,9 +236,11 @@ def judge_reply(reply: Reply | None, weights: dict[str, np.ndarray], tau: int, b
         reason = f"reply reports {compute_s:.3f}s of compute in a {row['round_s']:.3f}s round"
     if reason is not None:
         return Judged({**row, "status": "rejected", "reason": reason})
-    row.update(status="ok", bytes_up_raw=raw_fp32_bytes(delta), compute_s=compute_s, train_loss=train_loss,
+    # the reply's tensors as dense fp32: the update and the strategy's groups (SCAFFOLD sends twice the model)
+    raw = raw_fp32_bytes(delta) + sum(raw_fp32_bytes(arrays) for arrays in extras.values())
+    row.update(status="ok", bytes_up_raw=raw, compute_s=compute_s, train_loss=train_loss,
                num_examples=num_examples, drift_l2=l2_norm(delta))
-    return Judged(row, ClientUpdate("", delta, num_examples, metrics), worker_pids)
+    return Judged(row, ClientUpdate("", delta, num_examples, metrics, extras), worker_pids)
 
 
 def _run(grid: Grid, run_dir: RunDir, run_id: str, config: ExperimentConfig, runlog: RunLog) -> dict[str, Any]:
@@ -211,6 +250,7 @@ def _run(grid: Grid, run_dir: RunDir, run_id: str, config: ExperimentConfig, run
     model = initial_model(config, workload)
     weights = model_weights(model)
     nodes = discover_datacenters(grid, config, runlog, run_id)
+    seen_nodes = set(nodes.values())
     regions = {dc.name: dc.region for dc in config.datacenters}
     for name in nodes:
         runlog.touch_datacenter(name=name, region=regions[name])
@@ -224,8 +264,12 @@ def _run(grid: Grid, run_dir: RunDir, run_id: str, config: ExperimentConfig, run
     rounds_without_updates = 0
     for server_round in range(1, config.run.rounds + 1):
         round_started = time.perf_counter()
+        if server_round > 1:
+            rediscover(grid, nodes, seen_nodes, config, runlog, run_id, server_round)
         tau = strategy.tau(server_round)
         global_records = encode_tensors(weights)
+        for group, arrays in strategy.client_arrays(server_round, weights).items():
+            global_records.update(encode_tensors(arrays, group))
         messages: dict[str, Message] = {}
         bytes_down: dict[str, int] = {}
         for name, node in nodes.items():
@@ -244,7 +288,7 @@ def _run(grid: Grid, run_dir: RunDir, run_id: str, config: ExperimentConfig, run
         judged: dict[str, Judged] = {}
         for name in nodes:
             judged[name] = outcome = judge_reply(replies.get(id_of[name]), weights, tau, config.workload.batch_size,
-                                                 pushed_at, timeout_reason)
+                                                 pushed_at, timeout_reason, strategy.reply_groups)
             outcome.row["bytes_down"] = bytes_down[name]
             if outcome.row["status"] != "timeout":
                 runlog.touch_datacenter(name=name, region=regions[name])
@@ -256,7 +300,7 @@ def _run(grid: Grid, run_dir: RunDir, run_id: str, config: ExperimentConfig, run
                     runlog.log_event(run_id=run_id, kind="trainer-restarted", round=server_round, datacenter=name,
                                      detail={"before": worker_pids[name][-1], "now": list(outcome.worker_pids)})
                 worker_pids[name].append(list(outcome.worker_pids))
-        accepted = [ClientUpdate(name, j.update.delta, j.update.num_examples, j.update.metrics)
+        accepted = [ClientUpdate(name, j.update.delta, j.update.num_examples, j.update.metrics, j.update.extras)
                     for name, j in judged.items() if j.update is not None]
         replied = sum(j.replied for j in judged.values())
         enough_replies = replied >= needed
@@ -266,6 +310,10 @@ def _run(grid: Grid, run_dir: RunDir, run_id: str, config: ExperimentConfig, run
             for update in accepted:
                 judged[update.datacenter].row["update_cosine"] = cosine(update.delta, mean_update)
             weights = strategy.aggregate(server_round, weights, accepted)
+            strategy_metrics = strategy.round_metrics(server_round, accepted)
+            if strategy_metrics:
+                runlog.log_event(run_id=run_id, kind="strategy-metrics", round=server_round,
+                                 detail={"strategy": strategy.name, **strategy_metrics})
         elif enough_replies:  # every reply was rejected or failed: the global model stays as it was
             rounds_without_updates += 1
             runlog.log_event(run_id=run_id, kind="round-without-updates", round=server_round,

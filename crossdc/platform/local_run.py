@@ -131,26 +131,62 @@ class LocalRun:
             runlog.flush(timeout=30)
 
     def start_trainers(self) -> None:
-        env = flower_env(self.run_dir)
         for name in self.config.datacenter_names:
-            self.processes.start(
-                f"trainer-{name}",
-                [sys.executable, "-m", "crossdc.clients.trainer", "--run-dir", str(self.run_dir.path), "--datacenter", name],
-                self.run_dir.logs / f"trainer-{name}.log", env=env,
-            )
+            self._start_trainer(name)
+        for name in self.config.datacenter_names:
+            self._await_trainer(name)
+
+    def _start_trainer(self, name: str) -> None:
+        self.processes.start(
+            f"trainer-{name}",
+            [sys.executable, "-m", "crossdc.clients.trainer", "--run-dir", str(self.run_dir.path), "--datacenter", name],
+            self.run_dir.logs / f"trainer-{name}.log", env=flower_env(self.run_dir),
+        )
+
+    def _await_trainer(self, name: str) -> None:
+        """Wait until the trainer of `name` answers a ping; RunFailed if it exits or takes too long."""
+        managed = self.processes.find(f"trainer-{name}")
+        assert managed is not None
         authkey = self.run_dir.authkey()
-        for name, managed in zip(self.config.datacenter_names, self.processes.processes):
-            deadline = time.monotonic() + TRAINER_START_TIMEOUT_S
-            while True:
-                if managed.process.poll() is not None:
-                    raise RunFailed(f"trainer of '{name}' exited at start-up (code {managed.process.returncode}); see {managed.log_path}")
-                try:
-                    answer = call_trainer(self.run_dir.trainer_socket(name), authkey, {"op": "ping"}, connect_timeout_s=1.0)
-                    self.worker_pids[name] = [int(pid) for pid in answer["worker_pids"]]
-                    break
-                except TrainerUnavailable:
-                    if time.monotonic() > deadline:
-                        raise RunFailed(f"trainer of '{name}' did not start within {TRAINER_START_TIMEOUT_S:.0f}s") from None
+        deadline = time.monotonic() + TRAINER_START_TIMEOUT_S
+        while True:
+            if managed.process.poll() is not None:
+                raise RunFailed(f"trainer of '{name}' exited at start-up (code {managed.process.returncode}); see {managed.log_path}")
+            try:
+                answer = call_trainer(self.run_dir.trainer_socket(name), authkey, {"op": "ping"}, connect_timeout_s=1.0)
+                self.worker_pids[name] = [int(pid) for pid in answer["worker_pids"]]
+                return
+            except TrainerUnavailable:
+                if time.monotonic() > deadline:
+                    raise RunFailed(f"trainer of '{name}' did not start within {TRAINER_START_TIMEOUT_S:.0f}s") from None
+
+    def _start_supernode(self, name: str) -> None:
+        relay = self.relays[name]
+        node_config = f'datacenter="{name}" trainer="{self.run_dir.trainer_socket(name)}"'
+        self.processes.start(
+            f"supernode-{name}",
+            [_bin("flower-supernode"), "--insecure", "--superlink", f"{HOST}:{relay.port}", "--port", str(free_port()), "--node-config", node_config],
+            self.run_dir.logs / f"supernode-{name}.log", env=flower_env(self.run_dir),
+        )
+
+    def kill_datacenter(self, name: str, trainer: bool = True) -> list[int]:
+        """SIGKILL the datacenter's SuperNode (with the ClientApp it may be running) and, with `trainer`, its trainer
+        (with its worker group): a crash of that datacenter's machines. Its state store stays on disk. Returns the
+        pids killed. The run goes on without it until :meth:`restart_datacenter`."""
+        killed = [self.processes.kill(f"supernode-{name}")]
+        if trainer:
+            killed.append(self.processes.kill(f"trainer-{name}"))
+            self.run_dir.trainer_socket(name).unlink(missing_ok=True)
+        return killed
+
+    def restart_datacenter(self, name: str) -> None:
+        """Start what :meth:`kill_datacenter` killed: the trainer (it restores its state from the state store) and a
+        new SuperNode through the same link; the ServerApp finds the new node and the datacenter rejoins."""
+        if self.processes.find(f"trainer-{name}") is None:
+            self._start_trainer(name)
+            self._await_trainer(name)
+        if self.processes.find(f"supernode-{name}") is None:
+            self._start_supernode(name)
 
     def start_flower(self) -> None:
         env = flower_env(self.run_dir)
@@ -179,12 +215,7 @@ class LocalRun:
             # each datacenter reaches the SuperLink through its own link: emulated (if configured) and measured
             relay = LinkRelay(HOST, port, self.run_dir.link_ledger(name), link=dc.link, seed=self.config.run.seed * 100 + index).start()
             self.relays[name] = relay
-            node_config = f'datacenter="{name}" trainer="{self.run_dir.trainer_socket(name)}"'
-            self.processes.start(
-                f"supernode-{name}",
-                [_bin("flower-supernode"), "--insecure", "--superlink", f"{HOST}:{relay.port}", "--port", str(free_port()), "--node-config", node_config],
-                self.run_dir.logs / f"supernode-{name}.log", env=env,
-            )
+            self._start_supernode(name)
 
     def submit(self) -> int:
         """Submit the app to the SuperLink; returns Flower's run id."""

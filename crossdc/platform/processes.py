@@ -88,6 +88,24 @@ class ProcessGroup:
     def pids(self) -> list[int]:
         return [m.process.pid for m in self.processes]
 
+    def find(self, name: str) -> ManagedProcess | None:
+        return next((m for m in self.processes if m.name == name), None)
+
+    def kill(self, name: str) -> int:
+        """SIGKILL the named process and everything in its group (a crash, as far as it can tell), reap it and
+        forget it; returns its pid."""
+        managed = self.find(name)
+        if managed is None:
+            raise KeyError(f"no process named {name!r} in this group")
+        _signal_group(managed.process, signal.SIGKILL)
+        try:
+            managed.process.wait(timeout=10)
+        except subprocess.TimeoutExpired:
+            pass
+        managed.log_file.close()
+        self.processes.remove(managed)
+        return managed.process.pid
+
     def stop_all(self, grace_s: float = 10.0) -> None:
         """Stop every process group, newest first; SIGKILL what ignores SIGTERM; reap all."""
         for managed in reversed(self.processes):

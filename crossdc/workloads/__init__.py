@@ -17,7 +17,7 @@ from crossdc.workloads.partition import dirichlet_partition, iid_partition, natu
 if TYPE_CHECKING:
     from crossdc.workloads.base import OPTIMIZERS, TensorWorkload, Workload, WorkloadSpec, evaluate, make_optimizer
     from crossdc.workloads.images import DigitsWorkload, Mnist1dWorkload
-    from crossdc.workloads.registry import available_workloads, load_workload
+    from crossdc.workloads.registry import available_workloads, load_workload, register_workload
     from crossdc.workloads.shakespeare import ShakespeareWorkload
     from crossdc.workloads.synthetic import SyntheticWorkload
 
@@ -32,6 +32,7 @@ _LAZY = {
     "Mnist1dWorkload": "crossdc.workloads.images",
     "available_workloads": "crossdc.workloads.registry",
     "load_workload": "crossdc.workloads.registry",
+    "register_workload": "crossdc.workloads.registry",
     "ShakespeareWorkload": "crossdc.workloads.shakespeare",
     "SyntheticWorkload": "crossdc.workloads.synthetic",
 }

@@ -1,16 +1,51 @@
-"""Find workloads: the built-ins and plug-ins all register in the entry-point group ``crossdc.workloads``."""
+"""Find workloads: the built-ins and plug-ins all register in the entry-point group ``crossdc.workloads``;
+code in the same process may also use the ``@register_workload("name")`` class decorator.
+
+A datacenter brings its own dataset and model as a plug-in package that declares
+``[project.entry-points."crossdc.workloads"] mydata = "mypackage.module:MyWorkload"`` (a
+:class:`~crossdc.workloads.base.Workload` subclass); see ``examples/plugins/crossdc-fedavgm``. The entry point
+is what every process of a run (server, trainers, worker ranks) sees; the decorator only reaches the process
+that imported the module.
+"""
 
 from __future__ import annotations
 
 import warnings
+from collections.abc import Callable
 from importlib.metadata import entry_points
+from typing import TypeVar
 
 from crossdc.workloads.base import Workload, WorkloadSpec
 from crossdc.workloads.errors import WorkloadError
 
-__all__ = ["ENTRY_POINT_GROUP", "available_workloads", "load_workload"]
+__all__ = ["ENTRY_POINT_GROUP", "available_workloads", "load_workload", "register_workload", "unregister_workload"]
 
 ENTRY_POINT_GROUP = "crossdc.workloads"
+
+_DECORATED: dict[str, type[Workload]] = {}
+
+W = TypeVar("W", bound=type[Workload])
+
+
+def register_workload(name: str) -> Callable[[W], W]:
+    """Class decorator: register a Workload subclass under dataset name `name` for this process (sets ``cls.name``)."""
+
+    def decorate(cls: W) -> W:
+        if not (isinstance(cls, type) and issubclass(cls, Workload)):
+            raise WorkloadError(f"@register_workload({name!r}) needs a Workload subclass, got {cls!r}")
+        taken = {ep.name for ep in entry_points(group=ENTRY_POINT_GROUP)}
+        if (name in taken or name in _DECORATED) and _DECORATED.get(name) is not cls:
+            raise WorkloadError(f"workload name {name!r} is already registered")
+        cls.name = name
+        _DECORATED[name] = cls
+        return cls
+
+    return decorate
+
+
+def unregister_workload(name: str) -> None:
+    """Forget a workload registered with the decorator (tests)."""
+    _DECORATED.pop(name, None)
 
 
 def available_workloads() -> dict[str, type[Workload]]:
@@ -33,6 +68,7 @@ def available_workloads() -> dict[str, type[Workload]]:
             warnings.warn(f"workload plug-in {ep.name!r} ({ep.value}) is not a Workload subclass", stacklevel=2)
             continue
         found[ep.name] = cls
+    found.update(_DECORATED)
     return dict(sorted(found.items()))
 
 

@@ -1,0 +1,98 @@
+"""The federation's rounds in one process, without Flower: for tests and benchmarks that need many rounds fast.
+
+Same code paths as a real run, minus the transport: each datacenter is a
+:class:`~crossdc.clients.local_training.LocalTrainer` with its own durable
+:class:`~crossdc.clients.state_store.DatacenterStateStore`, driven by
+:func:`~crossdc.clients.local_round.run_local_round` (exactly what the persistent trainer runs per round); the
+server side is the strategy's ``tau`` / ``client_arrays`` / ``aggregate`` behind the update gate
+(:func:`~crossdc.platform.update_gate.rejection_reason`), as in :mod:`crossdc.platform.federation`.
+What it leaves out: Flower messages and their (de)serialisation (the float32 tensors are passed as they
+are, which is what the wire format carries), worker groups (W = 1), deadlines and the run log.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+
+from crossdc.clients.local_round import run_local_round
+from crossdc.clients.local_training import LocalTrainer, load_model_weights, model_weights
+from crossdc.clients.state_store import DatacenterStateStore
+from crossdc.platform.config import ExperimentConfig
+from crossdc.platform.experiment import build_strategy, build_workload, datacenter_seed, initial_model
+from crossdc.platform.update_gate import rejection_reason
+from crossdc.strategies.base import ClientUpdate, Strategy
+from crossdc.workloads import Workload, evaluate
+
+
+@dataclass
+class RoundResult:
+    """One in-process round: τ, the accepted updates, and why the others were rejected."""
+
+    server_round: int
+    tau: int
+    updates: list[ClientUpdate] = field(default_factory=list)
+    rejected: dict[str, str] = field(default_factory=dict)
+    strategy_metrics: dict[str, Any] = field(default_factory=dict)
+
+
+class InProcessFederation:
+    """Datacenters and server of one experiment in this process (see the module docstring)."""
+
+    def __init__(self, workload: Workload, strategy: Strategy, datacenters: Sequence[str], batch_size: int, optimizer: str,
+                 lr: float, seeds: Mapping[str, int], state_root: str | Path, initial_weights: Mapping[str, np.ndarray],
+                 run_id: str = "inprocess") -> None:
+        self.workload, self.strategy, self.lr = workload, strategy, lr
+        self.datacenters = list(datacenters)
+        self.trainers = {dc: LocalTrainer(workload, workload.shard(dc), batch_size, optimizer, lr, seeds[dc]) for dc in self.datacenters}
+        self.stores = {dc: DatacenterStateStore(state_root, run_id, dc) for dc in self.datacenters}
+        self.weights: dict[str, np.ndarray] = {k: np.asarray(v, np.float32).copy() for k, v in initial_weights.items()}
+        self.server_round = 0
+        self._eval_model: torch.nn.Module | None = None
+
+    @classmethod
+    def from_config(cls, config: ExperimentConfig, state_root: str | Path, run_id: str = "inprocess") -> "InProcessFederation":
+        """The experiment as `crossdc run` builds it: same workload, strategy, initial weights and data-order seeds."""
+        workload = build_workload(config)
+        strategy = build_strategy(config)
+        weights = model_weights(initial_model(config, workload))
+        w = config.workload
+        seeds = {dc: datacenter_seed(config, dc) for dc in config.datacenter_names}
+        return cls(workload, strategy, config.datacenter_names, w.batch_size, w.optimizer, w.lr, seeds, state_root, weights, run_id)
+
+    def run_round(self, participants: Sequence[str] | None = None) -> RoundResult:
+        """One round: every datacenter in `participants` (default: all) trains; the strategy aggregates the accepted."""
+        self.server_round += 1
+        tau = self.strategy.tau(self.server_round)
+        sent = {group: {k: v.copy() for k, v in arrays.items()}
+                for group, arrays in self.strategy.client_arrays(self.server_round, self.weights).items()}
+        result = RoundResult(self.server_round, tau)
+        for dc in (self.datacenters if participants is None else participants):
+            answer = run_local_round(self.strategy, self.trainers[dc], self.stores[dc], dc, self.server_round, tau, self.lr,
+                                     self.weights, sent)
+            extras = answer["extras"]
+            reason = rejection_reason(answer["delta"], self.weights)
+            for group in self.strategy.reply_groups:
+                if reason is None:
+                    reason = f"missing tensor group '{group}'" if group not in extras else rejection_reason(extras[group], self.weights)
+            if reason is not None:
+                result.rejected[dc] = reason
+                continue
+            result.updates.append(ClientUpdate(dc, answer["delta"], int(answer["metrics"]["num-examples"]), answer["metrics"],
+                                               {g: extras[g] for g in self.strategy.reply_groups}))
+        if result.updates:
+            self.weights = self.strategy.aggregate(self.server_round, self.weights, result.updates)
+            result.strategy_metrics = self.strategy.round_metrics(self.server_round, result.updates)
+        return result
+
+    def evaluate(self) -> tuple[float, float]:
+        """(validation loss, accuracy) of the current global weights on the workload's one validation set."""
+        if self._eval_model is None:
+            self._eval_model = self.workload.make_model()
+        load_model_weights(self._eval_model, self.weights)
+        return evaluate(self.workload, self._eval_model)

@@ -1,0 +1,1 @@
+"""Example crossdc plug-in: FedAvgM (a Strategy) and two moons (a Workload), registered by entry points."""
