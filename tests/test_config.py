@@ -328,7 +328,6 @@ def test_min_replies_more_than_datacenters_is_rejected() -> None:
 @pytest.mark.parametrize(
     ("path", "value", "key"),
     [
-        ("compression.codecs", ["topk:0.01", "int8"], "compression.codecs"),
         ("compression.downlink_codecs", ["int8"], "compression.downlink_codecs"),
         ("checkpoint.every_rounds", 5, "checkpoint.every_rounds"),
         ("checkpoint.keep", 5, "checkpoint.keep"),
@@ -345,6 +344,15 @@ def test_not_implemented_yet(path: str, value: Any, key: str) -> None:
     message = config_error(with_changes(path, value))
     assert f"'{key}'" in message
     assert "not implemented yet" in message
+
+
+def test_compression_codecs_are_parsed_and_checked_before_the_run() -> None:
+    doc = with_changes("compression.codecs", ["topk:0.01:warmup=3", "int8"])
+    assert parse_config(doc).compression.codecs == ("topk:0.01:warmup=3", "int8")
+    for codecs, expected in ((["zip"], "unknown codec 'zip'"), (["topk:0"], "fraction"), (["topk:1.5"], "fraction"),
+                             ("int8", "must be a list"), (["int8", "topk:0.1"], "must come before")):
+        message = config_error(with_changes("compression.codecs", codecs))
+        assert "compression.codecs" in message and expected in message, message
 
 
 def test_links_by_profile_numbers_or_both() -> None:

@@ -18,7 +18,8 @@ from flwr.app import ConfigRecord, Context, Message, MetricRecord, RecordDict
 from flwr.clientapp import ClientApp
 
 from crossdc.clients.channel import call_trainer
-from crossdc.compression.payload import ARRAYS_KEY, CONFIG_KEY, METRICS_KEY, decode_tensors, encode_tensors, has_tensors
+from crossdc.compression.payload import (ARRAYS_KEY, CONFIG_KEY, METRICS_KEY, decode_tensors, encode_compressed, encode_tensors,
+                                         has_tensors)
 from crossdc.platform.rundir import RunDir
 
 #: config keys of server → datacenter messages
@@ -79,7 +80,7 @@ def train(msg: Message, context: Context) -> Message:
     )
     metrics = dict(answer["metrics"])
     metrics["clientapp-s"] = time.perf_counter() - started
-    records: dict = encode_tensors(answer["delta"])
+    records: dict = encode_compressed(answer["payload"]) if "payload" in answer else encode_tensors(answer["delta"])
     for group, arrays in (answer.get("extras") or {}).items():
         records.update(encode_tensors(arrays, group))
     content = RecordDict({**records, METRICS_KEY: MetricRecord(metrics)})

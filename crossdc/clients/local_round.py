@@ -10,13 +10,14 @@ by local rank 0, tagged with the round, before the reply leaves.
 from __future__ import annotations
 
 import time
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 import numpy as np
 
 from crossdc.clients.local_training import LocalTrainer, StepsResult
 from crossdc.clients.state_store import DatacenterStateStore
+from crossdc.compression.uplink import encode_update
 from crossdc.strategies.base import Arrays, LocalContext, Strategy
 
 #: the state-store key the datacenter's local trainer state lives under (written by rank 0 only)
@@ -32,8 +33,10 @@ def train_with_plan(strategy: Strategy, trainer: LocalTrainer, tau: int, weights
 
 def run_local_round(strategy: Strategy, trainer: LocalTrainer, store: DatacenterStateStore, datacenter: str,
                     server_round: int, tau: int, lr: float, weights: Arrays, received: Mapping[str, Arrays],
-                    broadcast: Callable[[dict[str, Any]], None] | None = None) -> dict[str, Any]:
-    """Local rank 0's round: returns ``{"delta", "extras", "metrics"}`` (see the module docstring).
+                    broadcast: Callable[[dict[str, Any]], None] | None = None, codecs: Sequence[str] = (),
+                    codec_seed: int = 0) -> dict[str, Any]:
+    """Local rank 0's round: returns ``{"delta", "extras", "metrics"}`` (see the module docstring); with `codecs`,
+    ``"payload"`` (the update through the codec pipeline, crossdc.compression.uplink) instead of ``"delta"``.
 
     `broadcast(command)` (W > 1) hands ``{"op": "train", "tau", "weights", "plan"}`` to the other ranks before
     rank 0 trains; they run :func:`train_with_plan` on it.
@@ -60,4 +63,8 @@ def run_local_round(strategy: Strategy, trainer: LocalTrainer, store: Datacenter
         "state-save-s": time.perf_counter() - started,
         **finished.metrics,
     }
+    if codecs:
+        payload, codec_metrics = encode_update(delta, codecs, server_round, codec_seed, store)
+        metrics.update(codec_metrics)
+        return {"payload": payload, "extras": finished.extras, "metrics": metrics}
     return {"delta": delta, "extras": finished.extras, "metrics": metrics}

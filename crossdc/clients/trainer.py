@@ -38,6 +38,7 @@ import torch.distributed as dist
 from crossdc.clients.local_round import run_local_round
 from crossdc.clients.worker import GROUP_TIMEOUT, backend, build_rank
 from crossdc.platform.config import parse_config
+from crossdc.platform.experiment import datacenter_seed
 from crossdc.platform.processes import die_with_parent
 from crossdc.platform.rundir import RunDir
 from crossdc.strategies.base import StrategyError
@@ -62,6 +63,7 @@ class DatacenterTrainer:
         self.run_dir, self.run_id, self.datacenter = run_dir, settings["run_id"], datacenter
         self.world = next(dc.workers for dc in config.datacenters if dc.name == datacenter)
         self.lr = config.workload.lr
+        self.codecs, self.codec_seed = config.compression.codecs, datacenter_seed(config, datacenter)
         self.generation = 0
         self.workers: list[subprocess.Popen[bytes]] = []
         started = time.perf_counter()
@@ -143,7 +145,7 @@ class DatacenterTrainer:
                 raise RuntimeError(f"local worker(s) {dead} of the group had exited")
             answer = run_local_round(self.strategy, self.trainer, self.store, self.datacenter, server_round, tau, self.lr,
                                      global_weights, request.get("received") or {},
-                                     broadcast if self.world > 1 else None)
+                                     broadcast if self.world > 1 else None, self.codecs, self.codec_seed)
         except StrategyError as err:  # the message breaks the strategy's contract: the group itself is fine
             return {"ok": False, "error": f"{self.datacenter}: {err}".splitlines()[0]}
         except Exception as err:  # a rank failed: this datacenter's round fails; a fresh group serves the next

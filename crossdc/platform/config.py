@@ -69,6 +69,13 @@ class StrategySection:
 
 
 @dataclass(frozen=True)
+class CompressionSection:
+    """What crosses the WAN: the uplink codec pipeline (empty: dense float32)."""
+
+    codecs: tuple[str, ...] = ()
+
+
+@dataclass(frozen=True)
 class DatacenterSection:
     name: str
     workers: int = 1
@@ -97,6 +104,7 @@ class ExperimentConfig:
     strategy: StrategySection
     datacenters: tuple[DatacenterSection, ...]
     link_faults: tuple[LinkFault, ...] = ()
+    compression: CompressionSection = field(default_factory=CompressionSection)
     raw: dict[str, Any] = field(default_factory=dict, compare=False)
 
     @property
@@ -110,7 +118,7 @@ class ExperimentConfig:
 # Sections and keys that are part of the documented format but belong to later
 # work. Setting them to anything but their neutral value fails loudly.
 _NOT_YET: dict[str, dict[str, Any]] = {
-    "compression": {"codecs": [], "downlink_codecs": []},
+    "compression": {"downlink_codecs": []},
     "checkpoint": {"every_rounds": 0, "dir": "checkpoints/", "keep": 3},
     "security": {"robust_aggregation": "none", "norm_rejection_factor": 0},
 }
@@ -308,10 +316,29 @@ def _parse_link_faults(doc: dict[str, Any], datacenters: tuple[DatacenterSection
     return tuple(faults)
 
 
+_BUILT_KEYS: dict[str, set[str]] = {"compression": {"codecs"}}
+
+
+def _parse_compression(doc: dict[str, Any]) -> CompressionSection:
+    t = _table(doc, "compression", required=False)
+    codecs = t.get("codecs", [])
+    if not isinstance(codecs, list) or not all(isinstance(c, str) for c in codecs):
+        raise ConfigError(f"'compression.codecs' must be a list of strings like [\"topk:0.01\", \"int8\"], got {codecs!r}")
+    if codecs:
+        from crossdc.compression.base import CodecConfigError  # torch: only when compression is asked for
+        from crossdc.compression.pipeline import build_pipeline_codecs
+
+        try:
+            build_pipeline_codecs(codecs)
+        except CodecConfigError as err:
+            raise ConfigError(f"'compression.codecs': {err}") from None
+    return CompressionSection(tuple(codecs))
+
+
 def _parse_not_yet(doc: dict[str, Any]) -> None:
     for section, neutral in _NOT_YET.items():
-        t = _table(doc, section, required=False)
-        _check_keys(t, set(neutral), f"{section}.")
+        t = {k: v for k, v in _table(doc, section, required=False).items() if k not in _BUILT_KEYS.get(section, set())}
+        _check_keys(t, set(neutral) | _BUILT_KEYS.get(section, set()), f"{section}.")
         for key, value in t.items():
             if value != neutral[key]:
                 raise ConfigError(f"'{section}.{key}' is not implemented yet")
@@ -338,6 +365,7 @@ def parse_config(doc: dict[str, Any]) -> ExperimentConfig:
         strategy=_parse_strategy(doc),
         datacenters=datacenters,
         link_faults=_parse_link_faults(doc, datacenters),
+        compression=_parse_compression(doc),
         raw=doc,
     )
     return config

@@ -29,6 +29,8 @@ from flwr.serverapp import Grid
 from crossdc.clients import client_app as wire
 from crossdc.clients.local_training import load_model_weights, model_weights
 from crossdc.compression.payload import CONFIG_KEY, METRICS_KEY, decode_tensors, encode_tensors, payload_bytes, raw_fp32_bytes
+from crossdc.compression.uplink import decode_update
+from crossdc.compression.wire import CodecError
 from crossdc.db.errors import DatabaseUnavailable
 from crossdc.db.runlog import RunLog
 from crossdc.platform.config import ExperimentConfig, parse_config
@@ -200,11 +202,12 @@ class Judged:
 
 
 def judge_reply(reply: Reply | None, weights: dict[str, np.ndarray], tau: int, batch_size: int, pushed_at: float,
-                timeout_reason: str, reply_groups: tuple[str, ...] = ()) -> Judged:
+                timeout_reason: str, reply_groups: tuple[str, ...] = (), compressed: bool = False) -> Judged:
     """Pass one reply through the gate: a row with status ok, failed, timeout or rejected (with its reason).
 
     Every tensor group the strategy needs (`reply_groups`, e.g. SCAFFOLD's ``control``) must be present and pass
-    the same checks as the update (names, shapes, dtypes of the weights, finite values); a missing one rejects."""
+    the same checks as the update (names, shapes, dtypes of the weights, finite values); a missing one rejects.
+    With `compressed` (the run has codecs) the update must come as a codec payload that decodes cleanly."""
     if reply is None:
         return Judged({"status": "timeout", "reason": timeout_reason}, replied=False)
     row: dict[str, Any] = {"round_s": reply.received_at - pushed_at}
@@ -217,7 +220,10 @@ def judge_reply(reply: Reply | None, weights: dict[str, np.ndarray], tau: int, b
     content = reply.message.content
     row["bytes_up"] = payload_bytes(content)
     try:
-        delta = decode_tensors(content)
+        delta = decode_update(content, weights, compressed)
+    except CodecError as err:
+        return Judged({**row, "status": "rejected", "reason": f"undecodable update: {err}"[:500]})
+    try:
         metrics = dict(content[METRICS_KEY])
         num_examples = int(metrics["num-examples"])
         compute_s = float(metrics["compute-s"])
@@ -288,7 +294,8 @@ def _run(grid: Grid, run_dir: RunDir, run_id: str, config: ExperimentConfig, run
         judged: dict[str, Judged] = {}
         for name in nodes:
             judged[name] = outcome = judge_reply(replies.get(id_of[name]), weights, tau, config.workload.batch_size,
-                                                 pushed_at, timeout_reason, strategy.reply_groups)
+                                                 pushed_at, timeout_reason, strategy.reply_groups,
+                                                 compressed=bool(config.compression.codecs))
             outcome.row["bytes_down"] = bytes_down[name]
             if outcome.row["status"] != "timeout":
                 runlog.touch_datacenter(name=name, region=regions[name])

@@ -6,8 +6,8 @@ Same code paths as a real run, minus the transport: each datacenter is a
 :func:`~crossdc.clients.local_round.run_local_round` (exactly what the persistent trainer runs per round); the
 server side is the strategy's ``tau`` / ``client_arrays`` / ``aggregate`` behind the update gate
 (:func:`~crossdc.platform.update_gate.rejection_reason`), as in :mod:`crossdc.platform.federation`.
-What it leaves out: Flower messages and their (de)serialisation (the float32 tensors are passed as they
-are, which is what the wire format carries), worker groups (W = 1), deadlines and the run log.
+What it leaves out: Flower messages and their (de)serialisation (the float32 tensors, or the codec payload
+when the run compresses, are passed as they are, which is what the wire format carries), worker groups (W = 1), deadlines and the run log.
 """
 
 from __future__ import annotations
@@ -23,6 +23,9 @@ import torch
 from crossdc.clients.local_round import run_local_round
 from crossdc.clients.local_training import LocalTrainer, load_model_weights, model_weights
 from crossdc.clients.state_store import DatacenterStateStore
+from crossdc.compression.payload import raw_fp32_bytes
+from crossdc.compression.uplink import decode_arrays
+from crossdc.compression.wire import CodecError
 from crossdc.platform.config import ExperimentConfig
 from crossdc.platform.experiment import build_strategy, build_workload, datacenter_seed, initial_model
 from crossdc.platform.update_gate import rejection_reason
@@ -39,6 +42,8 @@ class RoundResult:
     updates: list[ClientUpdate] = field(default_factory=list)
     rejected: dict[str, str] = field(default_factory=dict)
     strategy_metrics: dict[str, Any] = field(default_factory=dict)
+    #: bytes of each datacenter's update as sent (the codec payload, or dense float32 without codecs)
+    bytes_up: dict[str, int] = field(default_factory=dict)
 
 
 class InProcessFederation:
@@ -46,8 +51,9 @@ class InProcessFederation:
 
     def __init__(self, workload: Workload, strategy: Strategy, datacenters: Sequence[str], batch_size: int, optimizer: str,
                  lr: float, seeds: Mapping[str, int], state_root: str | Path, initial_weights: Mapping[str, np.ndarray],
-                 run_id: str = "inprocess") -> None:
+                 run_id: str = "inprocess", codecs: Sequence[str] = ()) -> None:
         self.workload, self.strategy, self.lr = workload, strategy, lr
+        self.codecs, self.seeds = tuple(codecs), dict(seeds)
         self.datacenters = list(datacenters)
         self.trainers = {dc: LocalTrainer(workload, workload.shard(dc), batch_size, optimizer, lr, seeds[dc]) for dc in self.datacenters}
         self.stores = {dc: DatacenterStateStore(state_root, run_id, dc) for dc in self.datacenters}
@@ -63,7 +69,8 @@ class InProcessFederation:
         weights = model_weights(initial_model(config, workload))
         w = config.workload
         seeds = {dc: datacenter_seed(config, dc) for dc in config.datacenter_names}
-        return cls(workload, strategy, config.datacenter_names, w.batch_size, w.optimizer, w.lr, seeds, state_root, weights, run_id)
+        return cls(workload, strategy, config.datacenter_names, w.batch_size, w.optimizer, w.lr, seeds, state_root, weights, run_id,
+                   config.compression.codecs)
 
     def run_round(self, participants: Sequence[str] | None = None) -> RoundResult:
         """One round: every datacenter in `participants` (default: all) trains; the strategy aggregates the accepted."""
@@ -74,8 +81,17 @@ class InProcessFederation:
         result = RoundResult(self.server_round, tau)
         for dc in (self.datacenters if participants is None else participants):
             answer = run_local_round(self.strategy, self.trainers[dc], self.stores[dc], dc, self.server_round, tau, self.lr,
-                                     self.weights, sent)
+                                     self.weights, sent, codecs=self.codecs, codec_seed=self.seeds[dc])
             extras = answer["extras"]
+            if "payload" in answer:
+                result.bytes_up[dc] = int(answer["payload"].nbytes)
+                try:
+                    answer["delta"] = decode_arrays(answer["payload"], self.weights)
+                except CodecError as err:
+                    result.rejected[dc] = f"undecodable update: {err}"
+                    continue
+            else:
+                result.bytes_up[dc] = raw_fp32_bytes(answer["delta"])
             reason = rejection_reason(answer["delta"], self.weights)
             for group in self.strategy.reply_groups:
                 if reason is None:
