@@ -16,6 +16,7 @@ import numpy as np
 import torch
 from torch.utils.data import TensorDataset
 
+from crossdc.clients.devices import autocast
 from crossdc.workloads import Workload, make_optimizer
 
 
@@ -86,21 +87,26 @@ class LocalTrainer:
     trains on its own slice of it (rank r takes examples [r·B/W, (r+1)·B/W)), and
     DistributedDataParallel averages the gradients, so a step equals one step of a single
     process on the whole global batch (same batch semantics, same model, to float tolerance).
+    The model lives on `device` (a rank's GPU, or the CPU); with ``precision = "bf16"`` each forward pass runs
+    under bf16 autocast while weights, gradients and optimizer state stay fp32.
     """
 
     def __init__(self, workload: Workload, dataset: TensorDataset, batch_size: int, optimizer: str, lr: float, seed: int,
-                 rank: int = 0, world: int = 1) -> None:
+                 rank: int = 0, world: int = 1, device: str = "cpu", precision: str = "fp32") -> None:
         if batch_size % world:
             raise ValueError(f"the batch size {batch_size} must be divisible by the {world} local workers")
         torch.manual_seed(seed)
         self.workload = workload
-        self.model = workload.make_model()
+        self.device, self.precision = torch.device(device), precision
+        autocast(precision, device)  # an unknown precision fails here, not at the first step
+        self.model = workload.make_model().to(self.device)
         self.rank, self.world = rank, world
         self.forward: torch.nn.Module = self.model
         if world > 1:
             from torch.nn.parallel import DistributedDataParallel
 
-            self.forward = DistributedDataParallel(self.model)
+            ids = [self.device.index] if self.device.type == "cuda" else None
+            self.forward = DistributedDataParallel(self.model, device_ids=ids)
         self.optimizer = make_optimizer(optimizer, self.model.parameters(), lr)
         self.stream = BatchStream(dataset, batch_size, seed)
 
@@ -131,8 +137,11 @@ class LocalTrainer:
             if self.world > 1:
                 part = inputs.shape[0] // self.world
                 inputs, targets = (t[self.rank * part : (self.rank + 1) * part] for t in (inputs, targets))
+            inputs, targets = inputs.to(self.device, non_blocking=True), targets.to(self.device, non_blocking=True)
             self.optimizer.zero_grad(set_to_none=True)
-            loss = self.workload.loss(self.forward(inputs), targets)
+            with autocast(self.precision, str(self.device)):
+                loss = self.workload.loss(self.forward(inputs), targets)
+            loss = loss.float()
             objective = loss if extra_loss is None else loss + extra_loss(self.model)
             objective.backward()
             if after_backward is not None:
@@ -143,7 +152,7 @@ class LocalTrainer:
         if self.world > 1:  # the mean over ranks of equal slices is the global batch's mean loss
             import torch.distributed as dist
 
-            summed = torch.tensor([mean_loss], dtype=torch.float64)
+            summed = torch.tensor([mean_loss], dtype=torch.float64, device=self.device)
             dist.all_reduce(summed)
             mean_loss = float(summed) / self.world
         return StepsResult(steps=steps, mean_loss=mean_loss, num_examples=examples, compute_s=time.perf_counter() - started)

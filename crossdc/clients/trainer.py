@@ -36,7 +36,7 @@ import torch
 import torch.distributed as dist
 
 from crossdc.clients.local_round import run_local_round
-from crossdc.clients.worker import GROUP_TIMEOUT, backend, build_rank
+from crossdc.clients.worker import GROUP_TIMEOUT, backend, build_rank, use_device
 from crossdc.platform.config import parse_config
 from crossdc.platform.experiment import datacenter_seed
 from crossdc.platform.processes import die_with_parent
@@ -85,7 +85,8 @@ class DatacenterTrainer:
                 for rank in range(1, self.world)
             ]
             log_file.close()
-            dist.init_process_group(backend(), init_method=f"file://{rendezvous}", rank=0, world_size=self.world, timeout=GROUP_TIMEOUT)
+            use_device(0, self.world)
+            dist.init_process_group(backend(self.world), init_method=f"file://{rendezvous}", rank=0, world_size=self.world, timeout=GROUP_TIMEOUT)
         self.trainer, self.store, self.last_round, self.strategy = build_rank(self.run_dir, self.datacenter, 0, self.world)
         if self.last_round:
             log.info("%s: local state of round %d restored", self.datacenter, self.last_round)

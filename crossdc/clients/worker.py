@@ -1,7 +1,7 @@
 """A non-zero local rank of a datacenter's worker group (see crossdc.clients.trainer).
 
 Started by rank 0 (the trainer that talks to the ClientApp) with its rank, the group size and a
-rendezvous file; builds the same local trainer on its slice of every global batch (CPU, gloo) and follows
+rendezvous file; builds the same local trainer on its slice of every global batch (its own GPU with NCCL, or the CPU with gloo) and follows
 rank 0's commands, received by broadcast, until told to stop or until rank 0 goes away.
 """
 
@@ -17,6 +17,7 @@ import torch
 import torch.distributed as dist
 
 from crossdc.clients.local_round import TRAINER_STATE_KEY, train_with_plan
+from crossdc.clients.devices import local_placement
 from crossdc.clients.local_training import LocalTrainer
 from crossdc.clients.state_store import DatacenterStateStore
 from crossdc.platform.config import parse_config
@@ -27,7 +28,7 @@ from crossdc.strategies.base import Strategy
 log = logging.getLogger("crossdc.worker")
 
 GROUP_TIMEOUT = timedelta(seconds=120)
-__all__ = ["GROUP_TIMEOUT", "TRAINER_STATE_KEY", "backend", "build_rank", "follow"]
+__all__ = ["GROUP_TIMEOUT", "TRAINER_STATE_KEY", "backend", "build_rank", "follow", "use_device"]
 
 
 def build_rank(run_dir: RunDir, datacenter: str, rank: int, world: int) -> tuple[LocalTrainer, DatacenterStateStore, int, Strategy]:
@@ -39,7 +40,8 @@ def build_rank(run_dir: RunDir, datacenter: str, rank: int, world: int) -> tuple
     workload = build_workload(config)
     w = config.workload
     trainer = LocalTrainer(workload, workload.shard(datacenter), w.batch_size, w.optimizer, w.lr,
-                           datacenter_seed(config, datacenter), rank=rank, world=world)
+                           datacenter_seed(config, datacenter), rank=rank, world=world,
+                           device=local_placement(rank, world).device, precision=w.precision)
     store = DatacenterStateStore(run_dir.state_root, settings["run_id"], datacenter)
     last_round = 0
     stored = store.load(TRAINER_STATE_KEY)
@@ -49,13 +51,16 @@ def build_rank(run_dir: RunDir, datacenter: str, rank: int, world: int) -> tuple
     return trainer, store, last_round, strategy
 
 
-def backend() -> str:
-    """The collective backend of the group: gloo, since local training runs on CPU tensors for now.
+def backend(world: int) -> str:
+    """The collective backend of a group of `world` local ranks on this machine: NCCL on GPUs, gloo on the CPU."""
+    return local_placement(0, world).backend
 
-    Device placement (one rank per GPU, NCCL, bf16 autocast) is not built yet: choosing NCCL while
-    the model stays on the CPU would fail at the first collective.
-    """
-    return "gloo"
+
+def use_device(rank: int, world: int) -> None:
+    """Make this rank's GPU the current CUDA device (NCCL's collectives and object broadcasts use it)."""
+    device = torch.device(local_placement(rank, world).device)
+    if device.type == "cuda":
+        torch.cuda.set_device(device)
 
 
 def follow(trainer: LocalTrainer, strategy: Strategy) -> None:
@@ -80,7 +85,8 @@ def main(argv: list[str] | None = None) -> None:
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
     torch.set_num_threads(max(1, int(os.environ.get("CROSSDC_TRAINER_THREADS", "1"))))
-    dist.init_process_group(backend(), init_method=f"file://{args.rendezvous}", rank=args.rank, world_size=args.world,
+    use_device(args.rank, args.world)
+    dist.init_process_group(backend(args.world), init_method=f"file://{args.rendezvous}", rank=args.rank, world_size=args.world,
                             timeout=GROUP_TIMEOUT)
     try:
         trainer, _, _, strategy = build_rank(RunDir(Path(args.run_dir)), args.datacenter, args.rank, args.world)

@@ -59,6 +59,7 @@ class WorkloadSection:
     batch_size: int = 32
     optimizer: str = "adamw"
     lr: float = 1e-3
+    precision: str = "fp32"  # "bf16": bf16 autocast in local forward passes
 
 
 @dataclass(frozen=True)
@@ -193,7 +194,10 @@ def _parse_run(doc: dict[str, Any]) -> RunSection:
 
 def _parse_workload(doc: dict[str, Any]) -> WorkloadSection:
     t = _table(doc, "workload", required=True)
-    _check_keys(t, {"dataset", "model", "model_args", "partition", "batch_size", "optimizer", "lr"}, "workload.")
+    _check_keys(t, {"dataset", "model", "model_args", "partition", "batch_size", "optimizer", "lr", "precision"}, "workload.")
+    precision = _typed(t, "precision", str, "workload.", "fp32")
+    if precision not in ("fp32", "bf16"):
+        raise ConfigError(f"'workload.precision' must be 'fp32' or 'bf16', got {precision!r}")
     partition = _typed(t, "partition", dict, "workload.", {"kind": "iid"})
     _check_keys(partition, {"kind", "alpha"}, "workload.partition.")
     if "kind" not in partition:
@@ -210,6 +214,7 @@ def _parse_workload(doc: dict[str, Any]) -> WorkloadSection:
         batch_size=batch_size,
         optimizer=_typed(t, "optimizer", str, "workload.", "adamw"),
         lr=lr,
+        precision=precision,
     )
 
 

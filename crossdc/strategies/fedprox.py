@@ -21,7 +21,7 @@ from crossdc.strategies.base import Arrays, LocalHooks, Parameter, Strategy
 
 def proximal_term(model: torch.nn.Module, anchor: Mapping[str, torch.Tensor], mu: float) -> torch.Tensor:
     """(μ/2)·Σ_p ‖p − anchor_p‖² over the model's trainable parameters (the names in `anchor`)."""
-    total = torch.zeros((), dtype=torch.float32)
+    total = torch.zeros((), dtype=torch.float32, device=next(model.parameters()).device)
     for name, param in model.named_parameters():
         if param.requires_grad and name in anchor:
             total = total + torch.sum((param - anchor[name]) ** 2)
@@ -38,5 +38,6 @@ class FedProx(Strategy):
         mu = float(self.params["mu"])
         if mu == 0.0:
             return LocalHooks()
-        anchor = {name: torch.from_numpy(np.array(global_weights[name], dtype=np.float32)) for name, _ in model.named_parameters()}
+        anchor = {name: torch.from_numpy(np.array(global_weights[name], dtype=np.float32)).to(param.device)
+                  for name, param in model.named_parameters()}
         return LocalHooks(extra_loss=lambda m: proximal_term(m, anchor, mu))

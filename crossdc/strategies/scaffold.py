@@ -117,7 +117,8 @@ class Scaffold(Strategy):
                                for name in context.parameter_names}}
 
     def local_hooks(self, plan: Mapping[str, Any], global_weights: Arrays, model: torch.nn.Module) -> LocalHooks:
-        correction = {name: torch.from_numpy(np.array(value, dtype=np.float32)) for name, value in plan["correction"].items()}
+        device = next(model.parameters()).device
+        correction = {name: torch.from_numpy(np.array(value, dtype=np.float32)).to(device) for name, value in plan["correction"].items()}
 
         def correct(m: torch.nn.Module) -> None:
             with torch.no_grad():
