@@ -284,3 +284,31 @@ def test_same_code_on_gpu() -> None:
     decoded = decode_payload(encoded.payload, SHAPES)
     for name in SHAPES:
         assert torch.allclose(decoded[name], encoded.sent[name].cpu())
+
+
+def test_a_codec_registered_in_process_is_found_and_composes() -> None:
+    from crossdc.compression.base import REGISTRY, ValuesCodec, describe_codecs, register_codec
+    from crossdc.compression.wire import F32, Values
+    from crossdc.parameters import Parameter
+
+    @register_codec
+    class HalfScale(ValuesCodec):
+        """Sends every value at half its size (a toy: tests the registry, not compression)."""
+
+        name = "halfscale"
+        parameters = {"factor": Parameter(float, 0.5, "scale", low=0.0)}
+
+        def quantize(self, values: torch.Tensor, generator: torch.Generator | None) -> Values:
+            return Values(F32, values.reshape(-1) * self.params["factor"])
+
+    try:
+        row = next(r for r in describe_codecs() if r["name"] == "halfscale")
+        assert row["source"] == "plug-in" and row["stage"] == "values" and row["parameters"]["factor"]["default"] == 0.5
+        encoded = CodecPipeline(["topk:0.5", "halfscale:factor=0.25"]).encode({"x": torch.tensor([4.0, 0.0, -8.0, 1.0])}, 1)
+        assert encoded.sent["x"].tolist() == [1.0, 0.0, -2.0, 0.0]
+        with pytest.raises(CodecConfigError, match="already registered"):
+            REGISTRY.register("topk")(HalfScale)
+    finally:
+        REGISTRY.unregister("halfscale")
+    with pytest.raises(CodecConfigError, match="unknown codec 'halfscale'"):
+        CodecPipeline(["halfscale"])

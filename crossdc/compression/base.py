@@ -18,13 +18,13 @@ from __future__ import annotations
 
 from abc import ABC, abstractmethod
 from dataclasses import dataclass
-from importlib.metadata import entry_points
 from typing import Any, ClassVar
 
 import torch
 
 from crossdc.compression.wire import CodecError, EncodedTensor, Values
 from crossdc.parameters import Parameter, ParameterError, check_parameters
+from crossdc.plugins import PluginRegistry
 
 ENTRY_POINT_GROUP = "crossdc.codecs"
 STRUCTURE, VALUES = "structure", "values"
@@ -123,30 +123,17 @@ def parse_spec(text: str, positional: str | None) -> CodecSpec:
     return CodecSpec(name, params)
 
 
-_REGISTERED: dict[str, type[Codec]] = {}
+REGISTRY: PluginRegistry[type[Codec]] = PluginRegistry(ENTRY_POINT_GROUP, Codec, "codec", CodecConfigError)
 
 
 def register_codec(cls: type[Codec]) -> type[Codec]:
     """Class decorator: make a codec defined in this process available by its ``name``."""
-    if not (isinstance(cls, type) and issubclass(cls, Codec)):
-        raise TypeError(f"{cls!r} is not a crossdc Codec subclass")
-    _REGISTERED[cls.name] = cls
-    return cls
+    return REGISTRY.register(cls.name)(cls)
 
 
 def available_codecs() -> dict[str, type[Codec]]:
-    """Name → class of every codec: entry points of ``crossdc.codecs``, then in-process registrations."""
-    found: dict[str, type[Codec]] = {}
-    for ep in entry_points(group=ENTRY_POINT_GROUP):
-        try:
-            cls = ep.load()
-        except Exception as err:
-            raise CodecConfigError(f"codec plug-in '{ep.name}' ({ep.value}) failed to load: {err}") from err
-        if not (isinstance(cls, type) and issubclass(cls, Codec)):
-            raise CodecConfigError(f"codec plug-in '{ep.name}' ({ep.value}) is not a crossdc Codec subclass")
-        found[ep.name] = cls
-    found.update(_REGISTERED)
-    return found
+    """Name → class of every codec: entry points of ``crossdc.codecs`` and in-process registrations."""
+    return REGISTRY.load()
 
 
 def build_codec(text: str, codecs: dict[str, type[Codec]] | None = None) -> Codec:
@@ -162,7 +149,7 @@ def build_codec(text: str, codecs: dict[str, type[Codec]] | None = None) -> Code
 
 def describe_codecs() -> list[dict[str, Any]]:
     """One JSON-able row per registered codec (CLI and API)."""
-    origin = {ep.name: ep.value for ep in entry_points(group=ENTRY_POINT_GROUP)}
+    origin = REGISTRY.sources()
     rows = []
     for name, cls in sorted(available_codecs().items()):
         value = origin.get(name, f"{cls.__module__}:{cls.__qualname__}")

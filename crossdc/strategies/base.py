@@ -45,6 +45,7 @@ from typing import TYPE_CHECKING, Any, ClassVar
 
 import numpy as np
 
+from crossdc.parameters import Parameter, ParameterError, check_parameters
 from crossdc.strategies.aggregation import add, weighted_average
 from crossdc.strategies.schedule import tau_for_round
 
@@ -117,40 +118,6 @@ class LocalResult:
     metrics: dict[str, float] = field(default_factory=dict)
 
 
-@dataclass(frozen=True)
-class Parameter:
-    """One configurable parameter of a strategy (``[strategy] params`` in the config).
-
-    `kind` is the Python type a value must have (``float`` also takes an ``int``; ``bool`` is never a number);
-    `low`/`high` bound numbers (inclusive) where given.
-    """
-
-    kind: type
-    default: Any
-    help: str
-    low: float | None = None
-    high: float | None = None
-
-    def check(self, strategy: str, name: str, value: Any) -> Any:
-        """`value` converted to `kind`, or StrategyError naming the strategy and the parameter."""
-        where = f"strategy '{strategy}' parameter '{name}'"
-        if self.kind is float and isinstance(value, int) and not isinstance(value, bool):
-            value = float(value)
-        if not isinstance(value, self.kind) or (self.kind is not bool and isinstance(value, bool)):
-            raise StrategyError(f"{where} must be {self.kind.__name__}, got {type(value).__name__} {value!r}")
-        if isinstance(value, float) and value != value:
-            raise StrategyError(f"{where} must be a number, got NaN")
-        if self.low is not None and value < self.low:
-            raise StrategyError(f"{where} must be ≥ {self.low:g}, got {value!r}")
-        if self.high is not None and value > self.high:
-            raise StrategyError(f"{where} must be ≤ {self.high:g}, got {value!r}")
-        return value
-
-    def describe(self) -> dict[str, Any]:
-        """JSON-able description (CLI and API)."""
-        return {"type": self.kind.__name__, "default": self.default, "help": self.help, "low": self.low, "high": self.high}
-
-
 class Strategy(ABC):
     """Base of all crossdc strategies (see the module docstring for the client contract).
 
@@ -166,13 +133,10 @@ class Strategy(ABC):
     client_state_key: ClassVar[str | None] = None
 
     def __init__(self, tau_start: int, tau_end: int, warmup_rounds: int, tau_kind: str = "linear", params: Mapping[str, Any] | None = None) -> None:
-        params = dict(params or {})
-        unknown = sorted(set(params) - set(self.parameters))
-        if unknown:
-            known = ", ".join(sorted(self.parameters)) or "none"
-            raise StrategyError(f"unknown parameter '{unknown[0]}' for strategy '{self.name}'; known: {known}")
-        self.params: dict[str, Any] = {key: spec.check(self.name, key, params[key]) if key in params else spec.default
-                                       for key, spec in self.parameters.items()}
+        try:
+            self.params: dict[str, Any] = check_parameters(f"strategy '{self.name}'", self.parameters, dict(params or {}))
+        except ParameterError as err:
+            raise StrategyError(str(err)) from None
         self.tau_start, self.tau_end, self.warmup_rounds, self.tau_kind = tau_start, tau_end, warmup_rounds, tau_kind
         tau_for_round(1, tau_start, tau_end, warmup_rounds, tau_kind)  # validates the schedule now, not mid-run
         self.run: RunInfo | None = None

@@ -14,64 +14,32 @@ A name registered twice (two entry points, or a decorator reusing a name) is an 
 from __future__ import annotations
 
 from collections.abc import Callable
-from importlib.metadata import entry_points
-from typing import TypeVar
 
+from crossdc.plugins import PluginRegistry
 from crossdc.strategies.base import Strategy, StrategyError
 
 ENTRY_POINT_GROUP = "crossdc.strategies"
-
-_DECORATED: dict[str, type[Strategy]] = {}
-
-S = TypeVar("S", bound=type[Strategy])
+REGISTRY: PluginRegistry[type[Strategy]] = PluginRegistry(ENTRY_POINT_GROUP, Strategy, "strategy", StrategyError)
 
 
-def register_strategy(name: str) -> Callable[[S], S]:
+def register_strategy(name: str) -> Callable[[type[Strategy]], type[Strategy]]:
     """Class decorator: register a Strategy subclass under `name` for this process (sets ``cls.name``)."""
-
-    def decorate(cls: S) -> S:
-        if not (isinstance(cls, type) and issubclass(cls, Strategy)):
-            raise StrategyError(f"@register_strategy('{name}') needs a crossdc Strategy subclass, got {cls!r}")
-        taken = {ep.name for ep in entry_points(group=ENTRY_POINT_GROUP)}
-        if (name in taken or name in _DECORATED) and _DECORATED.get(name) is not cls:
-            raise StrategyError(f"strategy name '{name}' is already registered")
-        cls.name = name
-        _DECORATED[name] = cls
-        return cls
-
-    return decorate
+    return REGISTRY.register(name)
 
 
 def unregister_strategy(name: str) -> None:
     """Forget a strategy registered with the decorator (tests)."""
-    _DECORATED.pop(name, None)
+    REGISTRY.unregister(name)
 
 
 def strategy_sources() -> dict[str, str]:
     """Name → where it comes from: ``module:Class`` of its entry point, or ``decorator:module.Class``."""
-    found = {ep.name: ep.value for ep in entry_points(group=ENTRY_POINT_GROUP)}
-    found.update({name: f"decorator:{cls.__module__}.{cls.__qualname__}" for name, cls in _DECORATED.items()})
-    return found
+    return REGISTRY.sources()
 
 
 def available_strategies() -> dict[str, type[Strategy]]:
     """Name → class of every registered strategy (a broken or duplicate plug-in raises StrategyError naming it)."""
-    found: dict[str, type[Strategy]] = {}
-    origin: dict[str, str] = {}
-    for ep in entry_points(group=ENTRY_POINT_GROUP):
-        if ep.name in found:
-            if origin[ep.name] == ep.value:  # the same distribution seen twice on sys.path
-                continue
-            raise StrategyError(f"strategy '{ep.name}' is registered twice: {origin[ep.name]} and {ep.value}")
-        try:
-            cls = ep.load()
-        except Exception as err:  # a plug-in's import error must name the plug-in
-            raise StrategyError(f"strategy plug-in '{ep.name}' ({ep.value}) failed to load: {err}") from err
-        if not (isinstance(cls, type) and issubclass(cls, Strategy)):
-            raise StrategyError(f"strategy plug-in '{ep.name}' ({ep.value}) is not a crossdc Strategy subclass")
-        found[ep.name], origin[ep.name] = cls, ep.value
-    found.update(_DECORATED)
-    return found
+    return REGISTRY.load()
 
 
 def strategy_class(name: str) -> type[Strategy]:

@@ -10,66 +10,33 @@ that imported the module.
 
 from __future__ import annotations
 
-import warnings
 from collections.abc import Callable
-from importlib.metadata import entry_points
-from typing import TypeVar
 
+from crossdc.plugins import PluginRegistry
 from crossdc.workloads.base import Workload, WorkloadSpec
 from crossdc.workloads.errors import WorkloadError
 
 __all__ = ["ENTRY_POINT_GROUP", "available_workloads", "load_workload", "register_workload", "unregister_workload"]
 
 ENTRY_POINT_GROUP = "crossdc.workloads"
-
-_DECORATED: dict[str, type[Workload]] = {}
-
-W = TypeVar("W", bound=type[Workload])
+#: a broken workload plug-in is left out with a warning naming it: one must not hide the others
+REGISTRY: PluginRegistry[type[Workload]] = PluginRegistry(ENTRY_POINT_GROUP, Workload, "workload", WorkloadError, broken="warn")
 
 
-def register_workload(name: str) -> Callable[[W], W]:
+def register_workload(name: str) -> Callable[[type[Workload]], type[Workload]]:
     """Class decorator: register a Workload subclass under dataset name `name` for this process (sets ``cls.name``)."""
-
-    def decorate(cls: W) -> W:
-        if not (isinstance(cls, type) and issubclass(cls, Workload)):
-            raise WorkloadError(f"@register_workload({name!r}) needs a Workload subclass, got {cls!r}")
-        taken = {ep.name for ep in entry_points(group=ENTRY_POINT_GROUP)}
-        if (name in taken or name in _DECORATED) and _DECORATED.get(name) is not cls:
-            raise WorkloadError(f"workload name {name!r} is already registered")
-        cls.name = name
-        _DECORATED[name] = cls
-        return cls
-
-    return decorate
+    return REGISTRY.register(name)
 
 
 def unregister_workload(name: str) -> None:
     """Forget a workload registered with the decorator (tests)."""
-    _DECORATED.pop(name, None)
+    REGISTRY.unregister(name)
 
 
 def available_workloads() -> dict[str, type[Workload]]:
-    """Dataset name -> Workload class for every entry point in ``crossdc.workloads``, sorted by name.
-
-    An entry point that fails to import, or does not name a Workload subclass,
-    is left out with a warning naming it (one broken plug-in must not hide the
-    others). If a name is registered twice, the first distribution wins.
-    """
-    found: dict[str, type[Workload]] = {}
-    for ep in entry_points(group=ENTRY_POINT_GROUP):
-        if ep.name in found:
-            continue
-        try:
-            cls = ep.load()
-        except Exception as exc:  # a broken plug-in: report it, keep the rest
-            warnings.warn(f"workload plug-in {ep.name!r} ({ep.value}) failed to load: {exc}", stacklevel=2)
-            continue
-        if not (isinstance(cls, type) and issubclass(cls, Workload)):
-            warnings.warn(f"workload plug-in {ep.name!r} ({ep.value}) is not a Workload subclass", stacklevel=2)
-            continue
-        found[ep.name] = cls
-    found.update(_DECORATED)
-    return dict(sorted(found.items()))
+    """Dataset name -> Workload class for every registered workload, sorted by name (broken plug-ins left out, with
+    a warning naming them)."""
+    return REGISTRY.load()
 
 
 def load_workload(spec: WorkloadSpec, datacenters: list[str], seed: int) -> Workload:
