@@ -25,6 +25,10 @@ codecs_app = typer.Typer(no_args_is_help=True, help="Registered update codecs (b
 app.add_typer(db_app, name="db")
 app.add_typer(strategies_app, name="strategies")
 app.add_typer(codecs_app, name="codecs")
+runs_app = typer.Typer(no_args_is_help=True, help="Runs in the run log.")
+node_app = typer.Typer(no_args_is_help=True, help="A datacenter's node in a standing federation.")
+app.add_typer(runs_app, name="runs")
+app.add_typer(node_app, name="node")
 
 DB_OPTION = typer.Option(None, "--db", help="Database URL (else $CROSSDC_DATABASE_URL, else sqlite:///crossdc.db).")
 DEMO_CONFIG = Path(__file__).parent / "platform" / "demo.toml"
@@ -44,10 +48,11 @@ def _user_errors() -> tuple[type[BaseException], ...]:
     from crossdc.strategies.base import StrategyError
     from crossdc.workloads import WorkloadError
 
+    from crossdc.clients.node_runner import NodeFailed
     from crossdc.platform.tls import CertificateError
 
     errors: list[type[BaseException]] = [ConfigError, StrategyError, WorkloadError, PortInUse, RunFailed,
-                                          DatabaseUnavailable, TrainerFailed, TrainerUnavailable, CertificateError]
+                                          DatabaseUnavailable, TrainerFailed, TrainerUnavailable, CertificateError, NodeFailed]
     try:
         from crossdc.db.errors import InvalidDatabaseUrl
         errors.append(InvalidDatabaseUrl)
@@ -80,12 +85,18 @@ def _print_round(rows: list[dict[str, Any]], total: int) -> None:
                f"up={row['bytes_up'] / 1e6:.2f} MB  down={row['bytes_down'] / 1e6:.2f} MB  {row['wall_s']:.1f}s", err=True)
 
 
-def _run_experiment(config: Any, db_url: str, engine: str, port: int, runs_dir: Path, quiet: bool) -> dict[str, Any]:
-    from crossdc.platform.local_run import LocalRunOptions, run_local
+def _run_experiment(config: Any, db_url: str, engine: str, port: int, runs_dir: Path, quiet: bool,
+                    superlink: str | None = None, detach: bool = False) -> dict[str, Any]:
+    from crossdc.platform.local_run import Detached, LocalRunOptions, run_local
 
     total = config.run.rounds
     progress = None if quiet else (lambda rows: _print_round(rows, total))
-    result = run_local(config, LocalRunOptions(db_url=db_url, engine=engine, superlink_port=port, runs_root=runs_dir, progress=progress))
+    try:
+        result = run_local(config, LocalRunOptions(db_url=db_url, engine=engine, superlink_port=port, runs_root=runs_dir,
+                                                   progress=progress, superlink=superlink, detach=detach))
+    except Detached as detached:
+        typer.echo(f"crossdc: {detached}", err=True)
+        raise typer.Exit(0) from None
     return result.summary
 
 
@@ -129,7 +140,8 @@ def run(
     db: str | None = DB_OPTION,
     as_json: bool = typer.Option(False, "--json", help="Print the run's summary as a JSON object on the last line."),
     baseline: str | None = typer.Option(None, "--baseline", help="Instead of the federation, run a single-datacenter baseline: all-workers or sequential."),
-    superlink: str | None = typer.Option(None, "--superlink", help="HOST:PORT of a standing federation (not implemented yet)."),
+    superlink: str | None = typer.Option(None, "--superlink", help="HOST:PORT of a standing federation's SuperLink (its private Control API): submit there; Ctrl-C detaches."),
+    detach: bool = typer.Option(False, "--detach", help="With --superlink: print the run id and return; follow later with `crossdc runs follow`."),
     port: int = typer.Option(8000, "--port", min=1, max=65535, help="Port of the local SuperLink."),
     engine: str = typer.Option("deployment", "--engine", help="deployment (SuperLink + SuperNodes) or simulation (Flower's in-process engine)."),
     runs_dir: Path = typer.Option(Path("runs"), "--runs-dir", help="Where run folders (logs, trainer state) go."),
@@ -138,8 +150,10 @@ def run(
     from crossdc.db.engine import resolve_database_url, upgrade
     from crossdc.platform.baselines import BASELINE_KINDS, gap_to, matching_baselines, run_baseline
 
-    if superlink is not None:
-        fail("--superlink (running on a standing federation) is not implemented yet")
+    if detach and superlink is None:
+        fail("--detach needs --superlink (a local run stops with this command)")
+    if superlink is not None and baseline is not None:
+        fail("--baseline runs in this process; it does not take --superlink")
     if engine not in ("deployment", "simulation"):
         fail(f"unknown engine '{engine}'; known: deployment, simulation")
     if baseline is not None and baseline not in BASELINE_KINDS:
@@ -152,7 +166,11 @@ def run(
         typer.echo(f"run {run_id}: {baseline} baseline of {config.run.name}", err=True)
         summary = run_baseline(config, baseline, db_url, run_id, progress=None if as_json else (lambda rows: _print_round(rows, config.run.rounds)))
     else:
-        summary = _run_experiment(config, db_url, engine, port, runs_dir, quiet=as_json)
+        summary = _run_experiment(config, db_url, engine, port, runs_dir, quiet=as_json, superlink=superlink, detach=detach)
+        if summary.get("detached"):
+            typer.echo(f"run {summary['run_id']} submitted to {superlink}; follow it with: crossdc runs follow {summary['run_id']}", err=True)
+            typer.echo(json.dumps(_jsonable(summary)) if as_json else summary["run_id"])
+            return
         typer.echo(f"run {summary['run_id']} finished", err=True)
         # the gap to training in one place, for every baseline of this exact experiment already run
         try:
@@ -379,6 +397,42 @@ def front(
                           None if insecure else keyfile, FrontStats())
     typer.echo(f"Fleet API front on {'http' if insecure else 'https'}://{listen} → SuperLink {superlink} (Fleet API only)")
     uvicorn.Server(config).run()
+
+
+@runs_app.command("follow")
+@_guard
+def runs_follow(run_id: str, db: str | None = DB_OPTION) -> None:
+    """Follow a run in the run log until it ends (e.g. one submitted with --superlink --detach)."""
+    from crossdc.db.engine import resolve_database_url
+    from crossdc.platform.follow import follow_run
+
+    summary = follow_run(resolve_database_url(db), run_id, progress=lambda rows: _print_round(rows, len(rows)))
+    typer.echo(f"run {run_id} finished", err=True)
+    typer.echo(json.dumps(_jsonable(summary)))
+
+
+@node_app.command("start")
+@_guard
+def node_start(
+    superlink: str = typer.Option(..., "--superlink", help="HOST:PORT the datacenter reaches the federation at (the Fleet API front)."),
+    datacenter: str = typer.Option(..., "--datacenter", help="This datacenter's name, as in the experiment configs."),
+    state_dir: Path = typer.Option(Path("crossdc-node"), "--state-dir", help="Durable state: trainers' state stores, logs, the node's key."),
+    root_certificates: Path | None = typer.Option(None, "--root-certificates", help="CA the front's certificate is signed by (`crossdc certs`' ca.pem)."),
+    insecure: bool = typer.Option(False, "--insecure", help="Plain HTTP to the SuperLink (loopback tests only)."),
+    max_runs: int = typer.Option(2, "--max-runs", min=1, help="Trainers kept alive at once (least recently used stopped)."),
+) -> None:
+    """Run this datacenter's side of a standing federation: its SuperNode and the node service that gives every
+    run a persistent local trainer (all local GPUs). Ctrl-C stops both."""
+    from crossdc.clients.node import node_socket
+    from crossdc.clients.node_runner import run_node
+
+    if not insecure and root_certificates is None:
+        fail("the SuperNode talks TLS: give --root-certificates (the CA of `crossdc certs`), or --insecure on loopback")
+    if root_certificates is not None and not root_certificates.is_file():
+        fail(f"--root-certificates: no such file: {root_certificates}")
+    state_dir = state_dir.resolve()
+    typer.echo(f"datacenter {datacenter}: SuperNode → {superlink}, node service on {node_socket(state_dir)}, state in {state_dir}", err=True)
+    run_node(superlink, datacenter, state_dir, root_certificates, insecure, max_runs)
 
 
 def main() -> None:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import os
 import shutil
+import signal
 import sys
 import uuid
 from collections.abc import Iterator
@@ -40,6 +41,12 @@ def crossdc_executable() -> str:
 
 
 CROSSDC = crossdc_executable()
+
+
+def interruptible() -> None:
+    """preexec_fn for a child the test will Ctrl-C: SIGINT handled by default even when the test run itself was
+    started with SIGINT ignored (a background job of a non-interactive shell, nohup)."""
+    signal.signal(signal.SIGINT, signal.SIG_DFL)
 
 
 def read_run(db_url: str, run_id: str) -> dict[str, Any]:

@@ -10,7 +10,7 @@ from pathlib import Path
 import httpx
 import pytest
 
-from conftest import CROSSDC  # noqa: E402
+from conftest import CROSSDC, interruptible  # noqa: E402
 from crossdc.db.engine import make_engine
 from crossdc.db.queries import list_datacenter_rounds, list_rounds, list_runs
 from crossdc.platform.processes import free_port
@@ -66,7 +66,8 @@ def test_demo_quick_smoke(tmp_path: Path) -> None:
     dashboard it prints the URL of (kept serving after the table here, then stopped with Ctrl-C)."""
     dashboard_port = free_port()
     demo = subprocess.Popen([CROSSDC, "demo", "--quick", "--port", str(free_port()), "--dashboard-port", str(dashboard_port),
-                             "--keep-serving"], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=tmp_path)
+                             "--keep-serving"], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=tmp_path,
+                            preexec_fn=interruptible)
     try:
         assert demo.stdout is not None
         run_id = demo.stdout.readline().strip()  # printed once the table is out; the dashboard still serves

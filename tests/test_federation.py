@@ -12,7 +12,7 @@ import pytest
 
 from crossdc.db.engine import make_engine
 from crossdc.db.queries import get_run, list_rounds, parse_flower_run_ids
-from conftest import processes_mentioning, read_run
+from conftest import interruptible, processes_mentioning, read_run
 from crossdc.platform.config import load_config, with_rounds
 from crossdc.platform.local_run import RUN_MARKER_ENV, LocalRunOptions, run_local
 from crossdc.platform.processes import ensure_port_free, free_port, is_running, processes_with_env
@@ -94,9 +94,12 @@ def test_no_process_survives_the_run(deployment_run: dict) -> None:
 def test_ctrl_c_stops_everything_and_marks_the_run_interrupted(tmp_path: Path) -> None:
     db_url = f"sqlite:///{tmp_path / 'runs.db'}"
     runs = tmp_path / "runs"
-    command = [str(Path(sys.executable).with_name("crossdc")), "run", str(CONFIG), "--db", db_url,
+    # 30 rounds: the run is still going when the signal comes, however slow the machine is
+    long_config = tmp_path / "long.toml"
+    long_config.write_text(CONFIG.read_text().replace("rounds = 3", "rounds = 30"))
+    command = [str(Path(sys.executable).with_name("crossdc")), "run", str(long_config), "--db", db_url,
                "--port", str(free_port()), "--runs-dir", str(runs)]
-    process = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    process = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, preexec_fn=interruptible)
     engine = make_engine(db_url)
     try:
         deadline = time.monotonic() + 180

@@ -26,6 +26,10 @@ from crossdc.platform.rundir import RunDir
 HELLO_DATACENTERS = "datacenters"
 RUN_ID = "crossdc-run-id"
 RUN_DIR = "crossdc-run-dir"
+RUN_CONFIG = "crossdc-config"
+#: node config of a production SuperNode (`crossdc node start`): the node service's socket and auth key file
+NODE_SERVICE = "node-service"
+NODE_AUTHKEY_FILE = "node-authkey-file"
 ROUND = "round"
 TAU = "tau"
 DATACENTER = "datacenter"
@@ -43,11 +47,22 @@ def datacenter_name(context: Context, known: list[str]) -> str:
     raise RuntimeError("this SuperNode has no 'datacenter' in its node config (--node-config 'datacenter=\"NAME\"')")
 
 
+def _node_service(context: Context, request: dict) -> dict:
+    """Ask this datacenter's node service (production SuperNodes only) to prepare a run's trainer."""
+    key = Path(str(context.node_config[NODE_AUTHKEY_FILE])).read_bytes()
+    return call_trainer(str(context.node_config[NODE_SERVICE]), key, {"op": "prepare", **request})
+
+
 @app.query()
 def hello(msg: Message, context: Context) -> Message:
-    """Tell the server which datacenter this node is."""
-    known = str(msg.content[CONFIG_KEY].get(HELLO_DATACENTERS, "")).split(",")
-    return Message(RecordDict({CONFIG_KEY: ConfigRecord({DATACENTER: datacenter_name(context, known)})}), reply_to=msg)
+    """Tell the server which datacenter this node is; a production node also prepares the run's trainer from the
+    run id and config the hello carries."""
+    config = msg.content[CONFIG_KEY]
+    known = str(config.get(HELLO_DATACENTERS, "")).split(",")
+    name = datacenter_name(context, known)
+    if NODE_SERVICE in context.node_config and RUN_ID in config:
+        _node_service(context, {"run_id": str(config[RUN_ID]), "config": str(config.get(RUN_CONFIG, ""))})
+    return Message(RecordDict({CONFIG_KEY: ConfigRecord({DATACENTER: name})}), reply_to=msg)
 
 
 def extra_groups(content: RecordDict) -> dict[str, dict]:
@@ -63,9 +78,13 @@ def train(msg: Message, context: Context) -> Message:
     started = time.perf_counter()
     config = msg.content[CONFIG_KEY]
     datacenter = str(config[DATACENTER])
-    run_dir = RunDir(Path(str(config[RUN_DIR])))
-    socket_path = context.node_config.get("trainer") or run_dir.trainer_socket(datacenter)
-    authkey_file = context.node_config.get("trainer-authkey-file") or run_dir.authkey_file
+    if NODE_SERVICE in context.node_config:  # production: the node service knows where the run's trainer is
+        socket_path = _node_service(context, {"run_id": str(config[RUN_ID])})["socket"]
+        authkey_file = context.node_config[NODE_AUTHKEY_FILE]
+    else:  # a local run: the trainer's socket is in the run's folder (or given as node config)
+        run_dir = RunDir(Path(str(config[RUN_DIR])))
+        socket_path = context.node_config.get("trainer") or run_dir.trainer_socket(datacenter)
+        authkey_file = context.node_config.get("trainer-authkey-file") or run_dir.authkey_file
     answer = call_trainer(
         str(socket_path),
         Path(str(authkey_file)).read_bytes(),

@@ -6,7 +6,8 @@ node service promises:
 - it listens on a Unix socket (``<state-dir>/node.sock``, or a short path in /tmp when that is too long)
   guarded by the node's auth key (``<state-dir>/authkey``, mode 0600); only the datacenter's own
   ClientApps can reach it;
-- ``{"op": "prepare", "run_id", "config"}`` makes sure the run has a persistent local trainer (the
+- ``{"op": "prepare", "run_id", "config"}`` (the config is optional once the run is known here: the hello of a
+  run carries it, train messages do not) makes sure the run has a persistent local trainer (the
   datacenter's DDP worker group, :mod:`crossdc.clients.trainer`) and answers with its socket: the first
   request of a run starts it under ``<state-dir>/runs/<run id>/`` (settings, durable state store, logs),
   later ones find it running, and a trainer that died is started again from its state store;
@@ -88,6 +89,10 @@ class NodeService:
 
     def prepare(self, run_id: str, config_json: str) -> dict[str, Any]:
         run_dir = self.run_dir(run_id)
+        if not config_json:
+            if not run_dir.settings_file.exists():
+                raise NodeError(f"run {run_id} was never announced to this node (its hello carries the config)")
+            config_json = json.dumps(run_dir.settings()["config"])
         try:
             doc = json.loads(config_json)
             config = parse_config(doc)

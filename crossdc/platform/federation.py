@@ -84,6 +84,13 @@ def collect_replies(grid: Grid, message_ids: list[str], timeout_s: float) -> dic
     return replies
 
 
+def hello_content(config: ExperimentConfig, run_id: str) -> RecordDict:
+    """The hello query: the datacenters' names, the run id and the experiment's config (a production node
+    prepares the run's trainer from it; see crossdc.clients.node)."""
+    return RecordDict({CONFIG_KEY: ConfigRecord({wire.HELLO_DATACENTERS: ",".join(config.datacenter_names),
+                                                 wire.RUN_ID: run_id, wire.RUN_CONFIG: config.to_json()})})
+
+
 def discover_datacenters(grid: Grid, config: ExperimentConfig, runlog: RunLog, run_id: str) -> dict[str, int]:
     """Map every configured datacenter to its SuperNode by asking each node who it is."""
     names = config.datacenter_names
@@ -96,7 +103,7 @@ def discover_datacenters(grid: Grid, config: ExperimentConfig, runlog: RunLog, r
         time.sleep(0.2)
     if len(node_ids) < len(names):
         raise FederationError(f"only {len(node_ids)} of {len(names)} datacenters connected within {DISCOVERY_TIMEOUT_S:.0f}s")
-    content = RecordDict({CONFIG_KEY: ConfigRecord({wire.HELLO_DATACENTERS: ",".join(names)})})
+    content = hello_content(config, run_id)
     messages = [Message(content, dst_node_id=node, message_type=MessageType.QUERY) for node in node_ids]
     ids = list(grid.push_messages(messages))
     replies = collect_replies(grid, ids, DISCOVERY_TIMEOUT_S)
@@ -127,7 +134,7 @@ def rediscover(grid: Grid, nodes: dict[str, int], seen: set[int], config: Experi
     new_ids = [node for node in grid.get_node_ids() if node not in seen and node not in nodes.values()]
     if not new_ids:
         return
-    content = RecordDict({CONFIG_KEY: ConfigRecord({wire.HELLO_DATACENTERS: ",".join(config.datacenter_names)})})
+    content = hello_content(config, run_id)
     ids = list(grid.push_messages([Message(content, dst_node_id=node, message_type=MessageType.QUERY, ttl=timeout_s)
                                    for node in new_ids]))
     for reply in collect_replies(grid, ids, timeout_s).values():

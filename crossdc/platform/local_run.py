@@ -64,6 +64,19 @@ class LocalRunOptions:
     run_id: str | None = None
     #: how long the ServerApp may buffer run-log writes while the database does not answer
     db_max_outage_s: float = 300.0
+    #: HOST:PORT of a standing federation's SuperLink (its private Control API address): submit the run there
+    #: instead of starting trainers, SuperNodes and a SuperLink; Ctrl-C detaches, the run goes on
+    superlink: str | None = None
+    #: with `superlink`: return right after submitting (follow later with `crossdc runs follow RUN_ID`)
+    detach: bool = False
+
+
+class Detached(Exception):
+    """The command stopped following a run on a standing federation; the run goes on."""
+
+    def __init__(self, run_id: str) -> None:
+        super().__init__(f"detached from run {run_id}; it goes on: crossdc runs follow {run_id}")
+        self.run_id = run_id
 
 
 @dataclass
@@ -120,7 +133,7 @@ class LocalRun:
         if self.options.engine == "simulation" and (self.config.link_faults or any(dc.link for dc in self.config.datacenters)):
             raise RunFailed("WAN links and link faults are emulated between SuperNodes and the SuperLink: "
                             "use the deployment engine (remove the links to simulate)")
-        if self.options.engine == "deployment":
+        if self.options.engine == "deployment" and self.options.superlink is None:
             ensure_port_free(HOST, self.options.superlink_port)  # fail before anything starts; checked again at launch
         upgrade(self.options.db_url)
         self.run_dir.create({"run_id": self.run_id, "db_url": self.options.db_url, "config": self.config.raw,
@@ -188,15 +201,19 @@ class LocalRun:
         if self.processes.find(f"supernode-{name}") is None:
             self._start_supernode(name)
 
-    def start_flower(self) -> None:
-        env = flower_env(self.run_dir)
-        port = self.options.superlink_port
+    def write_flower_app(self, superlink_address: str) -> None:
+        """The Flower app folder and the federation (`crossdc` → `superlink_address`) that `flwr run` submits to."""
         self.run_dir.flwr_home.mkdir(parents=True, exist_ok=True)
         (self.run_dir.flwr_home / "config.toml").write_text(
-            f'[superlink]\ndefault = "crossdc"\n\n[superlink.crossdc]\naddress = "{HOST}:{port}"\ninsecure = true\n'
+            f'[superlink]\ndefault = "crossdc"\n\n[superlink.crossdc]\naddress = "{superlink_address}"\ninsecure = true\n'
         )
         self.run_dir.app_dir.mkdir(parents=True, exist_ok=True)
         shutil.copy(FLOWER_APP_TEMPLATE, self.run_dir.app_dir / "pyproject.toml")
+
+    def start_flower(self) -> None:
+        env = flower_env(self.run_dir)
+        port = self.options.superlink_port
+        self.write_flower_app(f"{HOST}:{port}")
         ensure_port_free(HOST, port)
         superlink = self.processes.start(
             "superlink",
@@ -313,6 +330,8 @@ class LocalRun:
     # --------------------------------------------------------------- driver
     def execute(self) -> LocalRunResult:
         """Run the experiment to its end; always stop every process; never leave the run 'running'."""
+        if self.options.superlink is not None:
+            return self._execute_on_standing_federation()
         prepared = False
         try:
             self.prepare()
@@ -336,6 +355,31 @@ class LocalRun:
             raise
         finally:
             self.teardown()
+
+    def _execute_on_standing_federation(self) -> LocalRunResult:
+        """Submit to a running SuperLink whose SuperNodes (`crossdc node start`) bring their own trainers; follow
+        the run in SQL. Ctrl-C (or `detach`) stops following, never the run."""
+        assert self.options.superlink is not None
+        if self.options.engine != "deployment":
+            raise RunFailed("a standing federation runs on Flower's Deployment Engine (--engine deployment)")
+        if self.config.link_faults or any(dc.link for dc in self.config.datacenters):
+            raise RunFailed("links and link faults are emulated only for local runs; a standing federation has real links")
+        self.prepare()
+        self.write_flower_app(self.options.superlink)
+        try:
+            flower_run_id = self.submit()
+        except Exception as err:
+            self._mark_ended("failed", f"{type(err).__name__}: {err}".splitlines()[0])
+            raise
+        if self.options.detach:
+            return LocalRunResult(self.run_id, {"run_id": self.run_id, "flower_run_id": str(flower_run_id), "detached": True},
+                                  self.run_dir.path)
+        try:
+            summary = self.wait(flower_run_id)
+        except KeyboardInterrupt:
+            raise Detached(self.run_id) from None
+        summary.setdefault("flower_run_id", str(flower_run_id))
+        return LocalRunResult(self.run_id, summary, self.run_dir.path)
 
     def teardown(self) -> None:
         """Stop every process of the run, including what Flower started detached; close the links."""
