@@ -22,20 +22,20 @@ REPO = Path(__file__).resolve().parents[1]
 BAD_DATACENTER = "eu-west"
 
 
-def shakespeare_config(codecs: list[str]) -> dict:
+def shakespeare_config(codecs: list[str], downlink_codecs: list[str] | None = None) -> dict:
     """2 datacenters, a ~400k-parameter char transformer, 3 rounds of τ = 5: the same for every codec list."""
     doc = tomllib.loads((REPO / "crossdc" / "platform" / "demo.toml").read_text())
     doc["run"].update(rounds=3, name="compression-" + ("-".join(codecs) or "none"))
     doc["workload"]["model_args"].update(d_model=128)
     doc["strategy"]["tau"] = {"start": 5, "end": 5, "warmup_rounds": 0}
     doc["datacenters"] = [{"name": "us-east"}, {"name": "eu-west"}]
-    doc["compression"] = {"codecs": codecs}
+    doc["compression"] = {"codecs": codecs, "downlink_codecs": downlink_codecs or []}
     return doc
 
 
-def _run(tmp_path: Path, codecs: list[str]) -> dict:
+def _run(tmp_path: Path, codecs: list[str], downlink_codecs: list[str] | None = None) -> dict:
     db_url = f"sqlite:///{tmp_path / 'compression.db'}"
-    result = run_local(parse_config(shakespeare_config(codecs)),
+    result = run_local(parse_config(shakespeare_config(codecs, downlink_codecs)),
                        LocalRunOptions(db_url=db_url, engine="simulation", runs_root=tmp_path / "runs"))
     return read_run(db_url, result.run_id)
 
@@ -43,8 +43,10 @@ def _run(tmp_path: Path, codecs: list[str]) -> dict:
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, dict]:
     tmp = tmp_path_factory.mktemp("compression")
-    return {name: _run(tmp, codecs) for name, codecs in
+    runs = {name: _run(tmp, codecs) for name, codecs in
             {"none": [], "int8": ["int8"], "topk+int8": ["topk:0.01", "int8"]}.items()}
+    runs["downlink int8"] = _run(tmp, [], ["int8"])
+    return runs
 
 
 @pytest.mark.timeout(900)
@@ -69,6 +71,18 @@ def test_int8_final_loss_within_2_percent_of_uncompressed(runs: dict[str, dict])
     assert int8_loss < runs["int8"]["rounds"][0]["val_loss"]  # and it learns
     ratio = runs["none"]["rounds"][-1]["bytes_up"] / runs["int8"]["rounds"][-1]["bytes_up"]
     assert 3.5 < ratio < 4.0, ratio
+
+
+@pytest.mark.timeout(900)
+def test_downlink_int8_sends_deltas_after_round_one_and_trains_as_well(runs: dict[str, dict]) -> None:
+    logged = runs["downlink int8"]
+    assert logged["run"]["status"] == "finished" and all(r["status"] == "ok" for r in logged["dc_rounds"])
+    dense = [r["bytes_down"] for r in runs["none"]["rounds"]]
+    down = [r["bytes_down"] for r in logged["rounds"]]
+    assert abs(down[0] - dense[0]) / dense[0] < 0.01  # round 1: the full model
+    assert all(d < dense_bytes / 3.5 for d, dense_bytes in zip(down[1:], dense[1:])), (down, dense)
+    dense_loss, loss = runs["none"]["rounds"][-1]["val_loss"], logged["rounds"][-1]["val_loss"]
+    assert abs(loss - dense_loss) / dense_loss <= 0.02, (loss, dense_loss)
 
 
 def test_counted_bytes_are_the_serialized_message() -> None:

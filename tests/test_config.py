@@ -328,7 +328,6 @@ def test_min_replies_more_than_datacenters_is_rejected() -> None:
 @pytest.mark.parametrize(
     ("path", "value", "key"),
     [
-        ("compression.downlink_codecs", ["int8"], "compression.downlink_codecs"),
         ("checkpoint.every_rounds", 5, "checkpoint.every_rounds"),
         ("checkpoint.keep", 5, "checkpoint.keep"),
         ("checkpoint.dir", "s3://bucket/ckpt", "checkpoint.dir"),
@@ -349,6 +348,8 @@ def test_not_implemented_yet(path: str, value: Any, key: str) -> None:
 def test_compression_codecs_are_parsed_and_checked_before_the_run() -> None:
     doc = with_changes("compression.codecs", ["topk:0.01:warmup=3", "int8"])
     assert parse_config(doc).compression.codecs == ("topk:0.01:warmup=3", "int8")
+    assert parse_config(with_changes("compression.downlink_codecs", ["int8"])).compression.downlink_codecs == ("int8",)
+    assert "compression.downlink_codecs" in config_error(with_changes("compression.downlink_codecs", ["zip"]))
     for codecs, expected in ((["zip"], "unknown codec 'zip'"), (["topk:0"], "fraction"), (["topk:1.5"], "fraction"),
                              ("int8", "must be a list"), (["int8", "topk:0.1"], "must come before")):
         message = config_error(with_changes("compression.codecs", codecs))

@@ -18,7 +18,8 @@ from flwr.app import ConfigRecord, Context, Message, MetricRecord, RecordDict
 from flwr.clientapp import ClientApp
 
 from crossdc.clients.channel import call_trainer
-from crossdc.compression.payload import (ARRAYS_KEY, CONFIG_KEY, METRICS_KEY, decode_tensors, encode_compressed, encode_tensors,
+from crossdc.compression.payload import (ARRAYS_KEY, CONFIG_KEY, DOWNLINK, DOWNLINK_BASE, DOWNLINK_KEY, DOWNLINK_VERSION,
+                                         METRICS_KEY, compressed_payload, decode_tensors, encode_compressed, encode_tensors,
                                          has_tensors)
 from crossdc.platform.rundir import RunDir
 
@@ -68,7 +69,22 @@ def hello(msg: Message, context: Context) -> Message:
 def extra_groups(content: RecordDict) -> dict[str, dict]:
     """Every tensor group of a message besides the weights (a strategy's, e.g. SCAFFOLD's ``control``), decoded."""
     return {name: decode_tensors(content, name) for name in content.array_records
-            if name != ARRAYS_KEY and has_tensors(content, name)}
+            if name not in (ARRAYS_KEY, DOWNLINK_KEY) and has_tensors(content, name)}
+
+
+def global_model(content: RecordDict) -> dict:
+    """The request entries that carry the round's global model: ``weights`` (dense), or with downlink compression
+    ``downlink`` (the full reference or a compressed delta for the trainer to apply to its stored reference)."""
+    config = content[CONFIG_KEY]
+    kind = config.get(DOWNLINK)
+    if kind is None:
+        return {"weights": decode_tensors(content)}
+    message = {"kind": str(kind), "version": int(config[DOWNLINK_VERSION])}
+    if kind == "delta":
+        message.update(base=int(config[DOWNLINK_BASE]), payload=compressed_payload(content, DOWNLINK_KEY))
+    else:
+        message["weights"] = decode_tensors(content)
+    return {"downlink": message}
 
 
 @app.train()
@@ -93,7 +109,7 @@ def train(msg: Message, context: Context) -> Message:
             "run_id": str(config[RUN_ID]),
             "round": int(config[ROUND]),
             "tau": int(config[TAU]),
-            "weights": decode_tensors(msg.content),
+            **global_model(msg.content),
             "received": extra_groups(msg.content),
         },
     )

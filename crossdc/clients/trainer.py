@@ -36,6 +36,8 @@ import torch
 import torch.distributed as dist
 
 from crossdc.clients.local_round import run_local_round
+from crossdc.compression.downlink import DownlinkOutOfSync, receive
+from crossdc.compression.wire import CodecError
 from crossdc.clients.worker import GROUP_TIMEOUT, backend, build_rank, use_device
 from crossdc.platform.config import parse_config
 from crossdc.platform.experiment import datacenter_seed
@@ -135,8 +137,11 @@ class DatacenterTrainer:
         if server_round <= self.last_round:  # a stale message (e.g. delivered after its round closed)
             return {"ok": False, "error": f"round {server_round} is not newer than round {self.last_round}, already trained here"}
         dead = [w.pid for w in self.workers if w.poll() is not None]
-        global_weights = request["weights"]
         pids = self.worker_pids()
+        try:
+            global_weights = receive(request["downlink"], self.store, server_round) if "downlink" in request else request["weights"]
+        except (DownlinkOutOfSync, CodecError) as err:  # the server sends the full model next round
+            return {"ok": False, "error": f"{self.datacenter}: {err}".splitlines()[0]}
 
         def broadcast(command: dict[str, Any]) -> None:
             dist.broadcast_object_list([command], src=0)

@@ -32,6 +32,12 @@ METRICS_KEY = "metrics"
 COMPRESSED_KEY = "compressed"
 FLAT = "flat"
 PAYLOAD = "payload"
+#: config keys and record of a train message whose global model comes through `downlink_codecs`
+#: (crossdc.compression.downlink): "full" or "delta", the reference version a delta applies to, the version after it
+DOWNLINK = "downlink"
+DOWNLINK_BASE = "downlink-base"
+DOWNLINK_VERSION = "downlink-version"
+DOWNLINK_KEY = "downlink"
 #: Flower Array serialisation type of a codec payload: the bytes as they are
 PAYLOAD_STYPE = "crossdc.payload"
 
@@ -88,17 +94,17 @@ def decode_tensors(content: RecordDict, group: str = ARRAYS_KEY) -> dict[str, np
     return result
 
 
-def encode_compressed(payload: np.ndarray) -> dict[str, ArrayRecord]:
+def encode_compressed(payload: np.ndarray, key: str = COMPRESSED_KEY) -> dict[str, ArrayRecord]:
     """The record carrying a codec pipeline's payload (see crossdc.compression.wire) as raw bytes: about 40 bytes
     of Flower framing instead of the ~170 of a numpy array (whose .npy header would travel too)."""
     data = np.ascontiguousarray(payload, dtype=np.uint8).tobytes()
-    return {COMPRESSED_KEY: ArrayRecord({PAYLOAD: Array(dtype="uint8", shape=(len(data),), stype=PAYLOAD_STYPE, data=data)})}
+    return {key: ArrayRecord({PAYLOAD: Array(dtype="uint8", shape=(len(data),), stype=PAYLOAD_STYPE, data=data)})}
 
 
-def compressed_payload(content: RecordDict) -> np.ndarray:
+def compressed_payload(content: RecordDict, key: str = COMPRESSED_KEY) -> np.ndarray:
     """The payload bytes of a message built by :func:`encode_compressed`; PayloadError if it has none."""
     try:
-        array = content[COMPRESSED_KEY][PAYLOAD]
+        array = content[key][PAYLOAD]
     except (KeyError, TypeError, ValueError) as err:
         raise PayloadError(f"no compressed update in the message ({type(err).__name__}: {err})") from None
     if array.stype != PAYLOAD_STYPE or array.dtype != "uint8" or list(array.shape) != [len(array.data)]:

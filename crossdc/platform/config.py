@@ -71,9 +71,10 @@ class StrategySection:
 
 @dataclass(frozen=True)
 class CompressionSection:
-    """What crosses the WAN: the uplink codec pipeline (empty: dense float32)."""
+    """What crosses the WAN: the uplink codec pipeline and the downlink one (empty: dense float32)."""
 
     codecs: tuple[str, ...] = ()
+    downlink_codecs: tuple[str, ...] = ()
 
 
 @dataclass(frozen=True)
@@ -119,7 +120,7 @@ class ExperimentConfig:
 # Sections and keys that are part of the documented format but belong to later
 # work. Setting them to anything but their neutral value fails loudly.
 _NOT_YET: dict[str, dict[str, Any]] = {
-    "compression": {"downlink_codecs": []},
+    "compression": {},
     "checkpoint": {"every_rounds": 0, "dir": "checkpoints/", "keep": 3},
     "security": {"robust_aggregation": "none", "norm_rejection_factor": 0},
 }
@@ -321,14 +322,13 @@ def _parse_link_faults(doc: dict[str, Any], datacenters: tuple[DatacenterSection
     return tuple(faults)
 
 
-_BUILT_KEYS: dict[str, set[str]] = {"compression": {"codecs"}}
+_BUILT_KEYS: dict[str, set[str]] = {"compression": {"codecs", "downlink_codecs"}}
 
 
-def _parse_compression(doc: dict[str, Any]) -> CompressionSection:
-    t = _table(doc, "compression", required=False)
-    codecs = t.get("codecs", [])
+def _codec_list(t: dict[str, Any], key: str) -> tuple[str, ...]:
+    codecs = t.get(key, [])
     if not isinstance(codecs, list) or not all(isinstance(c, str) for c in codecs):
-        raise ConfigError(f"'compression.codecs' must be a list of strings like [\"topk:0.01\", \"int8\"], got {codecs!r}")
+        raise ConfigError(f"'compression.{key}' must be a list of strings like [\"topk:0.01\", \"int8\"], got {codecs!r}")
     if codecs:
         from crossdc.compression.base import CodecConfigError  # torch: only when compression is asked for
         from crossdc.compression.pipeline import build_pipeline_codecs
@@ -336,8 +336,13 @@ def _parse_compression(doc: dict[str, Any]) -> CompressionSection:
         try:
             build_pipeline_codecs(codecs)
         except CodecConfigError as err:
-            raise ConfigError(f"'compression.codecs': {err}") from None
-    return CompressionSection(tuple(codecs))
+            raise ConfigError(f"'compression.{key}': {err}") from None
+    return tuple(codecs)
+
+
+def _parse_compression(doc: dict[str, Any]) -> CompressionSection:
+    t = _table(doc, "compression", required=False)
+    return CompressionSection(_codec_list(t, "codecs"), _codec_list(t, "downlink_codecs"))
 
 
 def _parse_not_yet(doc: dict[str, Any]) -> None:

@@ -29,6 +29,7 @@ from flwr.serverapp import Grid
 from crossdc.clients import client_app as wire
 from crossdc.clients.local_training import load_model_weights, model_weights
 from crossdc.compression.payload import CONFIG_KEY, METRICS_KEY, decode_tensors, encode_tensors, payload_bytes, raw_fp32_bytes
+from crossdc.compression.downlink import DownlinkSender
 from crossdc.compression.uplink import decode_update
 from crossdc.compression.wire import CodecError
 from crossdc.db.errors import DatabaseUnavailable
@@ -275,20 +276,28 @@ def _run(grid: Grid, run_dir: RunDir, run_id: str, config: ExperimentConfig, run
     val_loss = val_accuracy = float("nan")
     needed = config.run.min_replies or len(nodes)
     rounds_without_updates = 0
+    # with downlink codecs the datacenters get the global model as compressed deltas of a shared reference
+    downlink = DownlinkSender(config.compression.downlink_codecs, seed=config.run.seed) if config.compression.downlink_codecs else None
     for server_round in range(1, config.run.rounds + 1):
         round_started = time.perf_counter()
         if server_round > 1:
             rediscover(grid, nodes, seen_nodes, config, runlog, run_id, server_round)
         tau = strategy.tau(server_round)
-        global_records = encode_tensors(weights)
+        global_records = encode_tensors(weights) if downlink is None else {}
         for group, arrays in strategy.client_arrays(server_round, weights).items():
             global_records.update(encode_tensors(arrays, group))
+        if downlink is not None:
+            downlink.prepare(weights, server_round)
         messages: dict[str, Message] = {}
         bytes_down: dict[str, int] = {}
         for name, node in nodes.items():
             cfg = {wire.ROUND: server_round, wire.TAU: tau, wire.RUN_ID: run_id, wire.RUN_DIR: str(run_dir.path), wire.DATACENTER: name}
             cfg.update(strategy.client_config(server_round))
-            content = RecordDict({**global_records, CONFIG_KEY: ConfigRecord(cfg)})
+            model_records: dict[str, Any] = {}
+            if downlink is not None:
+                model_records, downlink_cfg = downlink.message_for(name)
+                cfg.update(downlink_cfg)
+            content = RecordDict({**model_records, **global_records, CONFIG_KEY: ConfigRecord(cfg)})
             # a message not delivered by the round's deadline expires: a datacenter that comes back late
             # gets the next round's model instead of training on a stale one
             messages[name] = Message(content, dst_node_id=node, message_type=MessageType.TRAIN, ttl=config.run.round_timeout_s)
@@ -304,6 +313,8 @@ def _run(grid: Grid, run_dir: RunDir, run_id: str, config: ExperimentConfig, run
                                                  pushed_at, timeout_reason, strategy.reply_groups,
                                                  compressed=bool(config.compression.codecs))
             outcome.row["bytes_down"] = bytes_down[name]
+            if downlink is not None and outcome.row["status"] == "ok":
+                downlink.acknowledge(name)
             if outcome.row["status"] != "timeout":
                 runlog.touch_datacenter(name=name, region=regions[name])
             if outcome.row["status"] != "ok":

@@ -19,11 +19,14 @@ from typing import Any
 
 import numpy as np
 import torch
+from flwr.app import ConfigRecord, RecordDict
 
 from crossdc.clients.local_round import run_local_round
 from crossdc.clients.local_training import LocalTrainer, load_model_weights, model_weights
+from crossdc.clients.client_app import global_model
 from crossdc.clients.state_store import DatacenterStateStore
-from crossdc.compression.payload import raw_fp32_bytes
+from crossdc.compression.downlink import DownlinkSender, receive
+from crossdc.compression.payload import CONFIG_KEY, raw_fp32_bytes
 from crossdc.compression.uplink import decode_arrays
 from crossdc.compression.wire import CodecError
 from crossdc.platform.config import ExperimentConfig
@@ -51,8 +54,9 @@ class InProcessFederation:
 
     def __init__(self, workload: Workload, strategy: Strategy, datacenters: Sequence[str], batch_size: int, optimizer: str,
                  lr: float, seeds: Mapping[str, int], state_root: str | Path, initial_weights: Mapping[str, np.ndarray],
-                 run_id: str = "inprocess", codecs: Sequence[str] = ()) -> None:
+                 run_id: str = "inprocess", codecs: Sequence[str] = (), downlink_codecs: Sequence[str] = ()) -> None:
         self.workload, self.strategy, self.lr = workload, strategy, lr
+        self.downlink = DownlinkSender(downlink_codecs) if downlink_codecs else None
         self.codecs, self.seeds = tuple(codecs), dict(seeds)
         self.datacenters = list(datacenters)
         self.trainers = {dc: LocalTrainer(workload, workload.shard(dc), batch_size, optimizer, lr, seeds[dc]) for dc in self.datacenters}
@@ -70,7 +74,7 @@ class InProcessFederation:
         w = config.workload
         seeds = {dc: datacenter_seed(config, dc) for dc in config.datacenter_names}
         return cls(workload, strategy, config.datacenter_names, w.batch_size, w.optimizer, w.lr, seeds, state_root, weights, run_id,
-                   config.compression.codecs)
+                   config.compression.codecs, config.compression.downlink_codecs)
 
     def run_round(self, participants: Sequence[str] | None = None) -> RoundResult:
         """One round: every datacenter in `participants` (default: all) trains; the strategy aggregates the accepted."""
@@ -79,9 +83,16 @@ class InProcessFederation:
         sent = {group: {k: v.copy() for k, v in arrays.items()}
                 for group, arrays in self.strategy.client_arrays(self.server_round, self.weights).items()}
         result = RoundResult(self.server_round, tau)
+        if self.downlink is not None:
+            self.downlink.prepare(self.weights, self.server_round)
         for dc in (self.datacenters if participants is None else participants):
+            start_from = self.weights
+            if self.downlink is not None:  # the reference the datacenter holds, rebuilt from what it was sent
+                records, cfg = self.downlink.message_for(dc)
+                start_from = receive(global_model(RecordDict({**records, CONFIG_KEY: ConfigRecord(cfg)}))["downlink"],
+                                     self.stores[dc], self.server_round)
             answer = run_local_round(self.strategy, self.trainers[dc], self.stores[dc], dc, self.server_round, tau, self.lr,
-                                     self.weights, sent, codecs=self.codecs, codec_seed=self.seeds[dc])
+                                     start_from, sent, codecs=self.codecs, codec_seed=self.seeds[dc])
             extras = answer["extras"]
             if "payload" in answer:
                 result.bytes_up[dc] = int(answer["payload"].nbytes)
@@ -99,6 +110,8 @@ class InProcessFederation:
             if reason is not None:
                 result.rejected[dc] = reason
                 continue
+            if self.downlink is not None:
+                self.downlink.acknowledge(dc)
             result.updates.append(ClientUpdate(dc, answer["delta"], int(answer["metrics"]["num-examples"]), answer["metrics"],
                                                {g: extras[g] for g in self.strategy.reply_groups}))
         if result.updates:

@@ -1,0 +1,107 @@
+"""The global model's trip down the WAN, compressed: `[compression] downlink_codecs`.
+
+The server and every datacenter that is in step hold the same *reference* model x̂, versioned by the round
+that produced it. Promises:
+
+- round 1, and any datacenter whose last acknowledged version is not the previous one (it missed a round, or
+  restarted), gets the reference **in full** (dense float32), so nobody ever trains from a model it cannot
+  reconstruct;
+- otherwise a datacenter gets the round's **delta** x − x̂ through the downlink codec pipeline (the server
+  keeps its error-feedback residual), and both sides add the decoded delta to x̂: everyone in step holds the
+  same reference;
+- a datacenter applies a delta only to the reference version it was computed from; a datacenter whose stored
+  reference is another version refuses the round (DownlinkOutOfSync), and gets the full reference next time;
+- the server counts a datacenter in step only after an accepted reply to that round.
+
+The datacenters train from x̂ (within the downlink codec's error of the global model x); the server applies
+the aggregated update to x itself.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+import numpy as np
+
+from crossdc.compression.payload import (DOWNLINK, DOWNLINK_BASE, DOWNLINK_KEY, DOWNLINK_VERSION, encode_compressed,
+                                         encode_tensors)
+from crossdc.compression.pipeline import CodecPipeline
+
+#: the state-store key of a datacenter's reference model
+REFERENCE_KEY = "downlink-reference"
+
+Arrays = Mapping[str, np.ndarray]
+
+
+class DownlinkOutOfSync(RuntimeError):
+    """A delta arrived for a reference version this datacenter does not hold."""
+
+
+class DownlinkSender:
+    """The server side (see the module docstring)."""
+
+    def __init__(self, specs: Sequence[str], seed: int = 0) -> None:
+        self.pipeline = CodecPipeline(specs, seed=seed)
+        self.reference: dict[str, np.ndarray] = {}
+        self.version = 0
+        self.acknowledged: dict[str, int] = {}
+        self.delta_payload: np.ndarray | None = None
+
+    def prepare(self, global_weights: Arrays, server_round: int) -> None:
+        """Move the reference towards `global_weights` for this round (round 1: the weights themselves)."""
+        if self.version == 0:
+            self.reference = {k: np.array(v, dtype=np.float32) for k, v in global_weights.items()}
+            self.delta_payload = None
+        else:
+            delta = {k: np.asarray(global_weights[k], dtype=np.float32) - self.reference[k] for k in self.reference}
+            encoded = self.pipeline.encode(delta, server_round)
+            for name, sent in encoded.sent.items():
+                self.reference[name] = self.reference[name] + sent.numpy()
+            self.delta_payload = encoded.payload
+        self.version += 1
+
+    def message_for(self, datacenter: str) -> tuple[dict[str, Any], dict[str, int | str]]:
+        """(records, config entries) that bring `datacenter` to the current reference."""
+        in_step = self.delta_payload is not None and self.acknowledged.get(datacenter) == self.version - 1
+        if in_step:
+            assert self.delta_payload is not None
+            return dict(encode_compressed(self.delta_payload, DOWNLINK_KEY)), {
+                DOWNLINK: "delta", DOWNLINK_BASE: self.version - 1, DOWNLINK_VERSION: self.version}
+        return dict(encode_tensors(self.reference)), {DOWNLINK: "full", DOWNLINK_VERSION: self.version}
+
+    def acknowledge(self, datacenter: str) -> None:
+        """`datacenter` replied acceptably to this round: it holds the current reference."""
+        self.acknowledged[datacenter] = self.version
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"reference": self.reference, "version": self.version, "acknowledged": dict(self.acknowledged),
+                "pipeline": self.pipeline.state_dict()}
+
+    def load_state_dict(self, state: Mapping[str, Any]) -> None:
+        self.reference = {k: np.array(v, dtype=np.float32) for k, v in state["reference"].items()}
+        self.version = int(state["version"])
+        self.acknowledged = dict(state["acknowledged"])
+        self.pipeline.load_state_dict(state["pipeline"])
+
+
+def receive(message: Mapping[str, Any], store: Any, server_round: int) -> dict[str, np.ndarray]:
+    """The datacenter side: the reference model this round trains from, from a full model or a delta applied to the
+    stored reference; the new reference is stored (tagged with the round). `message`: ``kind``, ``version``,
+    ``base`` (delta), ``weights`` (full) or ``payload`` (delta)."""
+    from crossdc.compression.uplink import decode_arrays
+
+    if message["kind"] == "full":
+        reference = {k: np.array(v, dtype=np.float32) for k, v in message["weights"].items()}
+    elif message["kind"] == "delta":
+        stored = store.load(REFERENCE_KEY)
+        if stored is None or int(stored[0]["version"]) != int(message["base"]):
+            held = "none" if stored is None else stored[0]["version"]
+            raise DownlinkOutOfSync(f"a delta for reference version {message['base']} arrived; this datacenter holds {held}")
+        base = stored[0]["weights"]
+        delta = decode_arrays(message["payload"], base)
+        reference = {k: base[k] + delta[k] for k in base}
+    else:
+        raise DownlinkOutOfSync(f"unknown downlink kind {message['kind']!r}")
+    store.save(REFERENCE_KEY, {"version": int(message["version"]), "weights": reference}, server_round)
+    return reference
