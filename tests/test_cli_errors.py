@@ -151,10 +151,12 @@ CASES: dict[str, tuple[str | None, list[str], tuple[str, ...]]] = {
                            ("strategy 'diloco' needs workload.optimizer = \"adamw\"", "\"sgd\"")),
     "zero-datacenters": (BASE.split("[[datacenters]]")[0], [], ("no datacenters",)),
     "invalid-toml": (BASE.replace("[run]", "[run"), [], ("not valid TOML",)),
-    "not-implemented": (BASE + '\n[compression]\ncodecs = ["int8"]\n', [], ("'compression.codecs'", "not implemented yet")),
+    "not-implemented": (BASE + '\n[checkpoint]\nevery_rounds = 5\n', [], ("'checkpoint.every_rounds'", "not implemented yet")),
+    "unknown-codec": (BASE + '\n[compression]\ncodecs = ["zip"]\n', [], ("'compression.codecs'", "unknown codec 'zip'", "topk")),
+    "codec-fraction": (BASE + '\n[compression]\ncodecs = ["topk:1.5"]\n', [], ("codec 'topk' parameter 'fraction'", "1.5")),
     "file-not-found": (None, ["@missing"], ("config file not found",)),
     "unknown-baseline": (None, ["--baseline", "fastest"], ("unknown baseline 'fastest'", "all-workers", "sequential")),
-    "superlink": (None, ["--superlink", "10.0.0.1:9092"], ("--superlink", "not implemented yet")),
+    "detach-without-superlink": (None, ["--detach"], ("--detach needs --superlink",)),
 }
 
 
@@ -234,7 +236,7 @@ def test_strategies_list_json(tmp_path: Path) -> None:
     assert {"fedprox", "scaffold", "diloco"} <= set(by_name)
     assert all(by_name[n]["source"] == "built-in" for n in ("fedprox", "scaffold", "diloco"))
     assert by_name["fedprox"]["parameters"]["mu"] == {"type": "float", "default": 0.01, "low": 0.0, "high": None,
-                                                      "help": by_name["fedprox"]["parameters"]["mu"]["help"]}
+                                                      "choices": None, "help": by_name["fedprox"]["parameters"]["mu"]["help"]}
     assert by_name["diloco"]["parameters"]["outer_momentum"]["default"] == 0.9
     assert by_name["scaffold"]["parameters"]["global_lr"]["default"] == 1.0
     assert "Traceback" not in result.stderr
@@ -245,8 +247,11 @@ def test_codecs_list_json(tmp_path: Path) -> None:
     result = cli(["codecs", "list", "--json"], tmp_path)
     assert result.returncode == 0, result.stderr
     rows = json.loads(result.stdout)
-    assert isinstance(rows, list)
-    assert all({"name", "class"} <= set(row) for row in rows)
+    by_name = {row["name"]: row for row in rows}
+    assert {"topk", "int8", "qsgd", "powersgd"} <= set(by_name)
+    assert all(by_name[n]["source"] == "built-in" for n in ("topk", "int8", "qsgd", "powersgd"))
+    assert by_name["topk"]["stage"] == "structure" and by_name["topk"]["positional"] == "fraction"
+    assert by_name["topk"]["parameters"]["fraction"]["default"] == 0.01 and by_name["int8"]["stage"] == "values"
 
 
 @pytest.mark.timeout(60)
