@@ -78,6 +78,49 @@ def test_two_ranks_equal_one_process_on_the_same_global_batch(optimizer: str, tm
 
 
 @pytest.mark.timeout(300)
+def test_two_ranks_with_diloco_and_codecs_keep_the_datacenter_state_right(tmp_path: Path) -> None:
+    """DiLoCo's inner AdamW with an error-feedback codec pipeline (top-k + int8) and a compressed downlink on 2 ranks:
+    rank 0 alone encodes and keeps the codec residuals and the downlink reference in the state store, and the
+    decoded updates equal one process's to the codecs' resolution."""
+    from flwr.app import ConfigRecord, RecordDict
+
+    from crossdc.clients.client_app import global_model
+    from crossdc.clients.state_store import DatacenterStateStore
+    from crossdc.compression.downlink import DownlinkSender
+    from crossdc.compression.payload import CONFIG_KEY
+    from crossdc.compression.uplink import CODEC_STATE_KEY, decode_arrays
+
+    doc = {**experiment("adamw", 1, "diloco"), "compression": {"codecs": ["topk:0.25", "int8"], "downlink_codecs": ["int8"]}}
+    weights = initial_weights(doc)
+    decoded: dict[int, list[dict]] = {}
+    for workers in (1, 2):
+        root = tmp_path / f"w{workers}"
+        doc["datacenters"][0]["workers"] = workers
+        service = TrainerService(root, doc)
+        sender = DownlinkSender(["int8"])
+        decoded[workers] = []
+        try:
+            for server_round in (1, 2, 3):
+                sender.prepare({k: v + 0.01 * server_round for k, v in weights.items()}, server_round)
+                records, cfg = sender.message_for("dc-a")
+                request = global_model(RecordDict({**records, CONFIG_KEY: ConfigRecord(cfg)}))
+                answer = service.call({"op": "train", "run_id": "group-test", "round": server_round, "tau": 4, **request})
+                assert "payload" in answer and "delta" not in answer
+                decoded[workers].append(decode_arrays(answer["payload"], weights))
+                sender.acknowledge("dc-a")
+            assert [k for k in request["downlink"] if k == "payload"] == ["payload"]  # rounds 2 and 3 were deltas
+        finally:
+            service.close()
+        store = DatacenterStateStore(RunDir(root).state_root, "group-test", "dc-a")
+        assert store.keys() == sorted(["local-trainer", CODEC_STATE_KEY, "downlink-reference"])
+        assert store.load(CODEC_STATE_KEY)[1] == 3
+    for one, two in zip(decoded[1], decoded[2]):
+        for name in one:
+            scale = float(np.abs(one[name]).max()) / 127 + 1e-7
+            assert np.abs(two[name] - one[name]).max() <= 2 * scale + 1e-5, name
+
+
+@pytest.mark.timeout(300)
 @pytest.mark.parametrize("strategy, params", [("fedprox", {"mu": 0.5}), ("scaffold", {})])
 def test_two_ranks_equal_one_process_with_the_strategys_local_hooks(strategy: str, params: dict, tmp_path: Path) -> None:
     """FedProx's proximal term and SCAFFOLD's correction g − c_i + c on 2 DDP ranks give the same update (and the same
