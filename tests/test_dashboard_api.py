@@ -268,6 +268,11 @@ def test_datacenters_and_strategies(served: Served) -> None:
     else:  # an installed plug-in that does not load: both say which, neither crashes
         assert cli.returncode == 2 and api.status_code == 503
         assert strict_json(api)["detail"] in cli.stderr
+    codecs_cli = subprocess.run([CROSSDC, "codecs", "list", "--json"], capture_output=True, text=True, timeout=60)
+    assert codecs_cli.returncode == 0, codecs_cli.stderr
+    codecs = strict_json(served.get("/api/codecs"))
+    assert codecs == json.loads(codecs_cli.stdout)
+    assert {"topk", "int8", "qsgd", "powersgd"} <= {c["name"] for c in codecs}
 
 
 def test_openapi_schema_and_docs(served: Served) -> None:

@@ -200,12 +200,15 @@ class DatacenterInfo(BaseModel):
     link_rtt_ms: float | None
 
 
-class StrategyParameter(BaseModel):
+class PluginParameter(BaseModel):
+    """A declared parameter of a strategy or codec (crossdc.parameters.Parameter)."""
+
     type: str
     default: Any
     help: str
     low: float | None
     high: float | None
+    choices: list[str] | None
 
 
 class StrategyInfo(BaseModel):
@@ -216,7 +219,7 @@ class StrategyInfo(BaseModel):
     name: str
     source: str = Field(description="built-in or plug-in.")
     class_: str = Field(alias="class", description="The entry point's target, module:Class.")
-    parameters: dict[str, StrategyParameter]
+    parameters: dict[str, PluginParameter]
     summary: str
 
 
@@ -226,7 +229,13 @@ class CodecInfo(BaseModel):
     model_config = ConfigDict(populate_by_name=True)
 
     name: str
-    class_: str = Field(alias="class")
+    stage: str = Field(description="structure (which values are sent) or values (how each is written).")
+    source: str = Field(description="built-in or plug-in.")
+    class_: str = Field(alias="class", description="The entry point's target, module:Class.")
+    positional: str | None = Field(description="The parameter a bare `name:arg` sets.")
+    error_feedback: bool = Field(description="Whether the pipeline keeps a residual for it unless `ef=false`.")
+    parameters: dict[str, PluginParameter]
+    summary: str
 
 
 class DatabaseHealth(BaseModel):
@@ -439,12 +448,15 @@ def list_strategies() -> list[dict[str, object]]:
         raise HTTPException(status_code=503, detail=str(err)) from err
 
 
-@router.get("/api/codecs", response_model=list[CodecInfo], tags=["registry"])
-def list_codecs() -> list[dict[str, str]]:
-    """Registered update codecs (entry-point group ``crossdc.codecs``)."""
-    from importlib.metadata import entry_points
+@router.get("/api/codecs", response_model=list[CodecInfo], responses=_503, tags=["registry"])
+def list_codecs() -> list[dict[str, Any]]:
+    """Registered update codecs (built-in and plug-in) with their parameters, as `crossdc codecs list --json`."""
+    from crossdc.compression.base import CodecConfigError, describe_codecs
 
-    return [{"name": ep.name, "class": ep.value} for ep in entry_points(group="crossdc.codecs")]
+    try:
+        return describe_codecs()
+    except CodecConfigError as err:
+        raise HTTPException(status_code=503, detail=str(err)) from err
 
 
 @router.get("/metrics", response_class=Response, tags=["service"],
