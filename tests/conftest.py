@@ -43,6 +43,30 @@ def crossdc_executable() -> str:
 CROSSDC = crossdc_executable()
 
 
+def client_app_altering_replies(alter: Any) -> Any:
+    """The real ClientApp, except that `alter(datacenter, reply)` may change each train reply on its way out
+    (a datacenter that sends something broken)."""
+    from flwr.app import Context, Message
+    from flwr.clientapp import ClientApp
+
+    from crossdc.clients import client_app as real
+    from crossdc.compression.payload import CONFIG_KEY
+
+    app = ClientApp()
+
+    @app.query()
+    def hello(msg: Message, context: Context) -> Message:
+        return real.hello(msg, context)
+
+    @app.train()
+    def train(msg: Message, context: Context) -> Message:
+        reply = real.train(msg, context)
+        alter(str(msg.content[CONFIG_KEY][real.DATACENTER]), reply)
+        return reply
+
+    return app
+
+
 def interruptible() -> None:
     """preexec_fn for a child the test will Ctrl-C: SIGINT handled by default even when the test run itself was
     started with SIGINT ignored (a background job of a non-interactive shell, nohup)."""

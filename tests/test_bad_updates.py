@@ -10,12 +10,12 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from flwr.app import Context, Message
+from flwr.app import Message
 from flwr.clientapp import ClientApp
 
 from crossdc.clients import client_app as real
-from crossdc.compression.payload import CONFIG_KEY, decode_tensors, encode_tensors
-from conftest import read_run
+from crossdc.compression.payload import decode_tensors, encode_tensors
+from conftest import client_app_altering_replies, read_run
 from crossdc.platform.config import load_config
 from crossdc.platform.local_run import LocalRunOptions, run_local
 
@@ -25,27 +25,20 @@ BAD_DATACENTER = "eu-west"
 
 def corrupting_client_app(corrupt: str) -> ClientApp:
     """The real ClientApp, except that BAD_DATACENTER's updates are corrupted (`nan` or `shape`)."""
-    app = ClientApp()
 
-    @app.query()
-    def hello(msg: Message, context: Context) -> Message:
-        return real.hello(msg, context)
+    def alter(datacenter: str, reply: Message) -> None:
+        if datacenter != BAD_DATACENTER:
+            return
+        delta = {name: value.copy() for name, value in decode_tensors(reply.content).items()}
+        name = next(iter(delta))
+        if corrupt == "nan":
+            delta[name] = np.full_like(delta[name], np.nan)
+        else:
+            delta[name] = np.zeros(delta[name].shape + (2,), dtype=np.float32)
+        for key, record in encode_tensors(delta).items():
+            reply.content[key] = record
 
-    @app.train()
-    def train(msg: Message, context: Context) -> Message:
-        reply = real.train(msg, context)
-        if str(msg.content[CONFIG_KEY][real.DATACENTER]) == BAD_DATACENTER:
-            delta = {name: value.copy() for name, value in decode_tensors(reply.content).items()}
-            name = next(iter(delta))
-            if corrupt == "nan":
-                delta[name] = np.full_like(delta[name], np.nan)
-            else:
-                delta[name] = np.zeros(delta[name].shape + (2,), dtype=np.float32)
-            for key, record in encode_tensors(delta).items():
-                reply.content[key] = record
-        return reply
-
-    return app
+    return client_app_altering_replies(alter)
 
 
 @pytest.mark.timeout(300)

@@ -8,13 +8,13 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from flwr.app import Context, Message, RecordDict
+from flwr.app import Message, RecordDict
 from flwr.clientapp import ClientApp
 from flwr.common.serde import recorddict_to_proto
 
-from conftest import read_run
+from conftest import client_app_altering_replies, read_run
 from crossdc.clients import client_app as real
-from crossdc.compression.payload import COMPRESSED_KEY, CONFIG_KEY, compressed_payload, encode_compressed, payload_bytes
+from crossdc.compression.payload import COMPRESSED_KEY, compressed_payload, encode_compressed, payload_bytes
 from crossdc.platform.config import parse_config
 from crossdc.platform.local_run import LocalRunOptions, run_local
 
@@ -95,25 +95,18 @@ def test_counted_bytes_are_the_serialized_message() -> None:
 
 def corrupting_client_app(corrupt: str) -> ClientApp:
     """The real ClientApp, except that BAD_DATACENTER's compressed update is damaged on its way out."""
-    app = ClientApp()
 
-    @app.query()
-    def hello(msg: Message, context: Context) -> Message:
-        return real.hello(msg, context)
+    def alter(datacenter: str, reply: Message) -> None:
+        if datacenter != BAD_DATACENTER:
+            return
+        payload = compressed_payload(reply.content).copy()  # frombuffer is read-only
+        if corrupt == "truncated":
+            payload = payload[: len(payload) - 7]
+        else:  # a header that is not JSON any more
+            payload[9:30] = ord("#")
+        reply.content[COMPRESSED_KEY] = encode_compressed(payload)[COMPRESSED_KEY]
 
-    @app.train()
-    def train(msg: Message, context: Context) -> Message:
-        reply = real.train(msg, context)
-        if str(msg.content[CONFIG_KEY][real.DATACENTER]) == BAD_DATACENTER:
-            payload = compressed_payload(reply.content).copy()  # frombuffer is read-only
-            if corrupt == "truncated":
-                payload = payload[: len(payload) - 7]
-            else:  # a header that is not JSON any more
-                payload[9:30] = ord("#")
-            reply.content[COMPRESSED_KEY] = encode_compressed(payload)[COMPRESSED_KEY]
-        return reply
-
-    return app
+    return client_app_altering_replies(alter)
 
 
 @pytest.mark.timeout(300)

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import os
 import ssl
 import sys
 import time
@@ -12,7 +11,7 @@ import httpx
 import pytest
 
 from crossdc.platform.fleet_front import is_fleet_request, start_front
-from crossdc.platform.processes import ProcessGroup, free_port, wait_for_port
+from crossdc.platform.processes import ProcessGroup, flower_env, free_port, wait_for_port
 from crossdc.platform.tls import make_certificates
 
 BIN = Path(sys.executable).parent
@@ -30,7 +29,7 @@ def test_only_fleet_posts_pass() -> None:
 @pytest.mark.deployment
 def test_supernode_joins_through_the_front_and_control_api_is_refused(tmp_path: Path) -> None:
     certs = make_certificates(tmp_path / "certs", ["127.0.0.1", "localhost"])
-    env = {**os.environ, "PATH": f"{BIN}{os.pathsep}{os.environ.get('PATH', '')}", "FLWR_HOME": str(tmp_path / "flwr"), "FLWR_TELEMETRY_ENABLED": "0", "FLWR_DISABLE_UPDATE_CHECK": "1"}
+    env = flower_env(tmp_path / "flwr")
     processes = ProcessGroup()
     private_port, front_port = free_port(), free_port()
     front = None

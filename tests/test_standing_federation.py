@@ -4,7 +4,6 @@
 from __future__ import annotations
 
 import json
-import os
 import subprocess
 import sys
 import time
@@ -14,7 +13,7 @@ import pytest
 
 from conftest import CROSSDC, read_run
 from crossdc.platform.fleet_front import start_front
-from crossdc.platform.processes import ProcessGroup, free_port, kill_processes_with_env, wait_for_port
+from crossdc.platform.processes import ProcessGroup, flower_env, free_port, kill_processes_with_env, wait_for_port
 from crossdc.platform.tls import make_certificates
 
 REPO = Path(__file__).resolve().parents[1]
@@ -26,8 +25,7 @@ MARKER = "CROSSDC_TEST_STANDING_FEDERATION"
 @pytest.mark.timeout(600)
 def test_run_on_a_standing_federation_over_tls_detach_and_follow(tmp_path: Path) -> None:
     certs = make_certificates(tmp_path / "certs", ["127.0.0.1", "localhost"])
-    env = {**os.environ, MARKER: str(tmp_path), "PATH": f"{Path(sys.executable).parent}{os.pathsep}{os.environ.get('PATH', '')}",
-           "FLWR_HOME": str(tmp_path / "superlink-home"), "FLWR_TELEMETRY_ENABLED": "0", "FLWR_DISABLE_UPDATE_CHECK": "1"}
+    env = {**flower_env(tmp_path / "superlink-home"), MARKER: str(tmp_path)}
     processes = ProcessGroup()
     private, public = free_port(), free_port()
     front = None

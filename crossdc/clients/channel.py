@@ -7,8 +7,10 @@ Numpy only on this side, so a ClientApp never imports torch.
 
 from __future__ import annotations
 
+import logging
 import time
-from multiprocessing.connection import Client
+from collections.abc import Callable
+from multiprocessing.connection import Client, Listener
 from pathlib import Path
 from typing import Any
 
@@ -41,3 +43,28 @@ def call_trainer(socket_path: str | Path, authkey: bytes, request: dict[str, Any
     if not answer.get("ok"):
         raise TrainerFailed(str(answer.get("error", "unknown trainer error")))
     return answer
+
+
+def serve_requests(listener: Listener, handle: Callable[[dict[str, Any]], dict[str, Any]], log: logging.Logger) -> None:
+    """Answer one request per connection with ``handle(request)`` until the listener is closed.
+
+    A client that fails authentication or goes away is logged and the service goes on; an exception from `handle`
+    becomes ``{"ok": False, "error": "one line"}`` for that client (and a logged traceback)."""
+    while True:
+        try:
+            connection = listener.accept()
+        except OSError:  # the listener was closed: the service is stopping
+            return
+        except Exception as err:  # a failed authentication must not stop the service
+            log.warning("rejected a connection: %s", err)
+            continue
+        with connection:
+            try:
+                answer = handle(connection.recv())
+            except Exception as err:
+                log.exception("request failed")
+                answer = {"ok": False, "error": f"{type(err).__name__}: {err}".splitlines()[0]}
+            try:
+                connection.send(answer)
+            except OSError as err:
+                log.warning("could not answer (client gone): %s", err)

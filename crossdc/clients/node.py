@@ -28,12 +28,11 @@ import signal
 import sys
 import time
 from dataclasses import dataclass, field
-from multiprocessing import AuthenticationError
 from multiprocessing.connection import Listener
 from pathlib import Path
 from typing import Any
 
-from crossdc.clients.channel import TrainerUnavailable, call_trainer
+from crossdc.clients.channel import TrainerUnavailable, call_trainer, serve_requests
 from crossdc.platform.config import ConfigError, parse_config
 from crossdc.platform.processes import ProcessGroup, die_with_parent
 from crossdc.platform.rundir import RunDir
@@ -81,10 +80,13 @@ class NodeService:
 
     def handle(self, request: dict[str, Any]) -> dict[str, Any]:
         op = request.get("op")
-        if op == "ping":
-            return {"ok": True, "pid": os.getpid(), "datacenter": self.datacenter, "runs": sorted(self.last_used)}
-        if op == "prepare":
-            return self.prepare(str(request.get("run_id", "")), str(request.get("config", "")))
+        try:
+            if op == "ping":
+                return {"ok": True, "pid": os.getpid(), "datacenter": self.datacenter, "runs": sorted(self.last_used)}
+            if op == "prepare":
+                return self.prepare(str(request.get("run_id", "")), str(request.get("config", "")))
+        except NodeError as err:  # the request's fault: answered, not logged as a failure of the service
+            return {"ok": False, "error": str(err)}
         return {"ok": False, "error": f"unknown node op {op!r}"}
 
     def prepare(self, run_id: str, config_json: str) -> dict[str, Any]:
@@ -158,25 +160,7 @@ def serve(state_dir: Path, datacenter: str, max_runs: int = 2) -> None:
     signal.signal(signal.SIGTERM, stop)
     log.info("node service of %s listening on %s", datacenter, socket_path)
     try:
-        while True:
-            try:
-                connection = listener.accept()
-            except (OSError, EOFError, AuthenticationError) as err:  # a client that failed authentication, or went away
-                log.warning("refused a connection: %s", err)
-                continue
-            with connection:
-                try:
-                    request = connection.recv()
-                    answer = service.handle(request)
-                except NodeError as err:
-                    answer = {"ok": False, "error": str(err)}
-                except Exception as err:  # the service keeps serving
-                    log.exception("request failed")
-                    answer = {"ok": False, "error": f"{type(err).__name__}: {err}".splitlines()[0]}
-                try:
-                    connection.send(answer)
-                except OSError:
-                    pass
+        serve_requests(listener, service.handle, log)
     except KeyboardInterrupt:
         pass
     finally:

@@ -8,32 +8,22 @@ unexpected exit is an error naming the process and its log.
 
 from __future__ import annotations
 
-import os
 import sys
 import time
 from pathlib import Path
 
 from crossdc.clients.client_app import NODE_AUTHKEY_FILE, NODE_SERVICE
 from crossdc.clients.node import node_authkey, node_socket
-from crossdc.platform.processes import ProcessGroup, free_port
+from crossdc.platform.processes import ProcessGroup, flower_env, free_port, venv_bin
 
 
 class NodeFailed(RuntimeError):
     """One of the node's processes exited on its own."""
 
 
-def _bin(name: str) -> str:
-    candidate = Path(sys.executable).with_name(name)
-    return str(candidate) if candidate.exists() else name
-
-
 def node_env(state_dir: Path) -> dict[str, str]:
-    """Environment of the node's processes: a private FLWR_HOME, no telemetry, this virtualenv on PATH."""
-    env = dict(os.environ)
-    env["PATH"] = os.pathsep.join([str(Path(sys.executable).parent), env.get("PATH", "")])
-    env.update(FLWR_HOME=str(state_dir / "flwr-home"), FLWR_TELEMETRY_ENABLED="0", FLWR_DISABLE_UPDATE_CHECK="1",
-               PYTHONUNBUFFERED="1")
-    return env
+    """Environment of the node's processes: Flower's, with the node's own FLWR_HOME."""
+    return flower_env(state_dir / "flwr-home")
 
 
 def supernode_command(superlink: str, datacenter: str, state_dir: Path, root_certificates: Path | None, insecure: bool) -> list[str]:
@@ -41,7 +31,7 @@ def supernode_command(superlink: str, datacenter: str, state_dir: Path, root_cer
     node_config = (f'datacenter="{datacenter}" {NODE_SERVICE}="{node_socket(state_dir)}" '
                    f'{NODE_AUTHKEY_FILE}="{state_dir / "authkey"}"')
     security = ["--insecure"] if insecure else ["--root-certificates", str(root_certificates)]
-    return [_bin("flower-supernode"), *security, "--superlink", superlink, "--port", str(free_port()), "--node-config", node_config]
+    return [venv_bin("flower-supernode"), *security, "--superlink", superlink, "--port", str(free_port()), "--node-config", node_config]
 
 
 def run_node(superlink: str, datacenter: str, state_dir: Path, root_certificates: Path | None, insecure: bool,

@@ -35,10 +35,11 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from crossdc.clients.channel import serve_requests
 from crossdc.clients.local_round import run_local_round
+from crossdc.clients.worker import GROUP_TIMEOUT, backend, build_rank, use_device
 from crossdc.compression.downlink import DownlinkOutOfSync, receive
 from crossdc.compression.wire import CodecError
-from crossdc.clients.worker import GROUP_TIMEOUT, backend, build_rank, use_device
 from crossdc.platform.config import parse_config
 from crossdc.platform.experiment import datacenter_seed
 from crossdc.platform.processes import die_with_parent
@@ -182,25 +183,7 @@ def serve(run_dir: RunDir, datacenter: str) -> None:
     signal.signal(signal.SIGTERM, stop)
     signal.signal(signal.SIGINT, stop)
     log.info("trainer of %s listening on %s (pid %d)", datacenter, socket_path, os.getpid())
-    while True:
-        try:
-            connection = listener.accept()
-        except OSError:
-            return
-        except Exception as err:  # a failed authentication must not stop the trainer
-            log.warning("rejected a connection: %s", err)
-            continue
-        with connection:
-            try:
-                request = connection.recv()
-                answer = handler.handle(request)
-            except Exception as err:
-                log.exception("request failed")
-                answer = {"ok": False, "error": f"{type(err).__name__}: {err}".splitlines()[0]}
-            try:
-                connection.send(answer)
-            except OSError as err:
-                log.warning("could not answer (client gone): %s", err)
+    serve_requests(listener, handler.handle, log)
 
 
 def main(argv: list[str] | None = None) -> None:

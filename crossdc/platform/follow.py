@@ -27,11 +27,14 @@ def follow_run(db_url: str, run_id: str, progress: Callable[[list[dict[str, Any]
     engine = make_engine(db_url)
     reported = 0
     answered_at = time.monotonic()
+    schema_checked = False
     try:
         while True:
             try:
-                if not inspect(engine).has_table("runs"):
-                    raise RunFailed(f"no crossdc run log at {safe_url(db_url)} (no 'runs' table)")
+                if not schema_checked:
+                    if not inspect(engine).has_table("runs"):
+                        raise RunFailed(f"no crossdc run log at {safe_url(db_url)} (no 'runs' table)")
+                    schema_checked = True
                 run = get_run(engine, run_id)
                 rounds = list_rounds(engine, run_id)
                 answered_at = time.monotonic()

@@ -35,7 +35,8 @@ from crossdc.db.queries import get_run, list_rounds
 from crossdc.db.runlog import RunLog
 from crossdc.platform.config import ExperimentConfig
 from crossdc.platform.link_relay import LinkRelay
-from crossdc.platform.processes import ProcessGroup, ensure_port_free, free_port, kill_processes_with_env, wait_for_port
+from crossdc.platform.processes import (ProcessGroup, ensure_port_free, flower_env, free_port, kill_processes_with_env, venv_bin,
+                                       wait_for_port)
 from crossdc.platform.rundir import RunDir
 
 log = logging.getLogger("crossdc.local_run")
@@ -91,28 +92,13 @@ class LocalRunResult:
 RUN_MARKER_ENV = "CROSSDC_RUN_DIR"
 
 
-def flower_env(run_dir: RunDir) -> dict[str, str]:
-    """Environment for the run's processes: private FLWR_HOME, no telemetry, one thread per process, and a
-    marker (CROSSDC_RUN_DIR) that every process Flower spawns inherits, so clean-up can find them all."""
-    env = dict(os.environ)
+def run_env(run_dir: RunDir) -> dict[str, str]:
+    """Environment for the run's processes: Flower's (processes.flower_env) with the run's FLWR_HOME, one thread per
+    process, and a marker (CROSSDC_RUN_DIR) that every process Flower spawns inherits, so clean-up can find them all."""
+    env = flower_env(run_dir.flwr_home)
     env[RUN_MARKER_ENV] = str(run_dir.path)
-    # Flower's processes start each other by name (flower-superexec, flwr-serverapp, flwr-clientapp)
-    env["PATH"] = os.pathsep.join([str(Path(sys.executable).parent), env.get("PATH", "")])
-    env.update(
-        FLWR_HOME=str(run_dir.flwr_home),
-        FLWR_TELEMETRY_ENABLED="0",
-        FLWR_DISABLE_UPDATE_CHECK="1",
-        OMP_NUM_THREADS="1",
-        MKL_NUM_THREADS="1",
-        PYTHONUNBUFFERED="1",
-    )
+    env.update(OMP_NUM_THREADS="1", MKL_NUM_THREADS="1")
     return env
-
-
-def _bin(name: str) -> str:
-    """An executable of this virtualenv (Flower's console scripts live beside python)."""
-    candidate = Path(sys.executable).with_name(name)
-    return str(candidate) if candidate.exists() else name
 
 
 class LocalRun:
@@ -153,7 +139,7 @@ class LocalRun:
         self.processes.start(
             f"trainer-{name}",
             [sys.executable, "-m", "crossdc.clients.trainer", "--run-dir", str(self.run_dir.path), "--datacenter", name],
-            self.run_dir.logs / f"trainer-{name}.log", env=flower_env(self.run_dir),
+            self.run_dir.logs / f"trainer-{name}.log", env=run_env(self.run_dir),
         )
 
     def _await_trainer(self, name: str) -> None:
@@ -178,8 +164,8 @@ class LocalRun:
         node_config = f'datacenter="{name}" trainer="{self.run_dir.trainer_socket(name)}"'
         self.processes.start(
             f"supernode-{name}",
-            [_bin("flower-supernode"), "--insecure", "--superlink", f"{HOST}:{relay.port}", "--port", str(free_port()), "--node-config", node_config],
-            self.run_dir.logs / f"supernode-{name}.log", env=flower_env(self.run_dir),
+            [venv_bin("flower-supernode"), "--insecure", "--superlink", f"{HOST}:{relay.port}", "--port", str(free_port()), "--node-config", node_config],
+            self.run_dir.logs / f"supernode-{name}.log", env=run_env(self.run_dir),
         )
 
     def kill_datacenter(self, name: str, trainer: bool = True) -> list[int]:
@@ -211,13 +197,13 @@ class LocalRun:
         shutil.copy(FLOWER_APP_TEMPLATE, self.run_dir.app_dir / "pyproject.toml")
 
     def start_flower(self) -> None:
-        env = flower_env(self.run_dir)
+        env = run_env(self.run_dir)
         port = self.options.superlink_port
         self.write_flower_app(f"{HOST}:{port}")
         ensure_port_free(HOST, port)
         superlink = self.processes.start(
             "superlink",
-            [_bin("flower-superlink"), "--insecure", "--disable-runtime-dependency-installation", "--host", HOST, "--port", str(port)],
+            [venv_bin("flower-superlink"), "--insecure", "--disable-runtime-dependency-installation", "--host", HOST, "--port", str(port)],
             self.run_dir.logs / "superlink.log", env=env,
         )
         try:
@@ -239,8 +225,8 @@ class LocalRun:
         overrides = self.run_dir.path / "flower-run-config.toml"
         overrides.write_text(f'crossdc-run-dir = "{self.run_dir.path}"\n')
         completed = subprocess.run(
-            [_bin("flwr"), "run", str(self.run_dir.app_dir), "crossdc", "--run-config", str(overrides), "--format", "json"],
-            env=flower_env(self.run_dir), capture_output=True, text=True, timeout=120,
+            [venv_bin("flwr"), "run", str(self.run_dir.app_dir), "crossdc", "--run-config", str(overrides), "--format", "json"],
+            env=run_env(self.run_dir), capture_output=True, text=True, timeout=120,
         )
         try:
             answer = json.loads(completed.stdout)
@@ -255,8 +241,8 @@ class LocalRun:
     def flower_status(self, flower_run_id: int) -> tuple[str, str]:
         """(status, details) of the run as Flower's SuperLink reports it, e.g. ("finished:failed", "ServerApp failed with …")."""
         completed = subprocess.run(
-            [_bin("flwr"), "ls", "crossdc", "--run-id", str(flower_run_id), "--format", "json"],
-            env=flower_env(self.run_dir), capture_output=True, text=True, timeout=60,
+            [venv_bin("flwr"), "ls", "crossdc", "--run-id", str(flower_run_id), "--format", "json"],
+            env=run_env(self.run_dir), capture_output=True, text=True, timeout=60,
         )
         try:
             run = json.loads(completed.stdout)["runs"][0]

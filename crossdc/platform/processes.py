@@ -13,6 +13,7 @@ import os
 import signal
 import socket
 import subprocess
+import sys
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -97,12 +98,7 @@ class ProcessGroup:
         managed = self.find(name)
         if managed is None:
             raise KeyError(f"no process named {name!r} in this group")
-        _signal_group(managed.process, signal.SIGKILL)
-        try:
-            managed.process.wait(timeout=10)
-        except subprocess.TimeoutExpired:
-            pass
-        managed.log_file.close()
+        _kill_and_reap(managed, timeout_s=10)
         self.processes.remove(managed)
         return managed.process.pid
 
@@ -117,14 +113,33 @@ class ProcessGroup:
                 managed.process.wait(timeout=remaining)
             except subprocess.TimeoutExpired:
                 pass
-            # whatever the leader left behind in its group goes too
-            _signal_group(managed.process, signal.SIGKILL)
-            try:
-                managed.process.wait(timeout=5)
-            except subprocess.TimeoutExpired:
-                pass
-            managed.log_file.close()
+            _kill_and_reap(managed, timeout_s=5)  # whatever the leader left behind in its group goes too
         self.processes.clear()
+
+
+def _kill_and_reap(managed: ManagedProcess, timeout_s: float) -> None:
+    """SIGKILL the process's whole group, wait for the leader up to `timeout_s`, close its log."""
+    _signal_group(managed.process, signal.SIGKILL)
+    try:
+        managed.process.wait(timeout=timeout_s)
+    except subprocess.TimeoutExpired:
+        pass
+    managed.log_file.close()
+
+
+def venv_bin(name: str) -> str:
+    """An executable of this virtualenv (Flower's console scripts live beside python), else `name` on PATH."""
+    candidate = Path(sys.executable).with_name(name)
+    return str(candidate) if candidate.exists() else name
+
+
+def flower_env(flwr_home: Path) -> dict[str, str]:
+    """Environment for Flower's processes: this virtualenv first on PATH (they start each other by name:
+    flower-superexec, flwr-serverapp, flwr-clientapp), a private FLWR_HOME, no telemetry, no update check."""
+    env = dict(os.environ)
+    env["PATH"] = os.pathsep.join([str(Path(sys.executable).parent), env.get("PATH", "")])
+    env.update(FLWR_HOME=str(flwr_home), FLWR_TELEMETRY_ENABLED="0", FLWR_DISABLE_UPDATE_CHECK="1", PYTHONUNBUFFERED="1")
+    return env
 
 
 def die_with_parent() -> None:
