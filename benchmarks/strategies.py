@@ -19,7 +19,6 @@ Usage: python benchmarks/strategies.py [--quick] [--out benchmarks/results/strat
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import platform
 import tempfile
@@ -32,6 +31,8 @@ import torch
 from crossdc.platform.baselines import run_baseline
 from crossdc.platform.config import parse_config
 from crossdc.platform.inprocess import InProcessFederation
+
+from results_file import write_results
 
 ENGINE = ("in-process round driving (crossdc.platform.inprocess): real LocalTrainer + run_local_round per datacenter, "
           "real Strategy.aggregate behind the update gate; no Flower transport")
@@ -166,10 +167,7 @@ def main() -> None:
     result = {"engine": ENGINE, "machine": f"{platform.machine()}, {os.cpu_count()} cores, torch threads {torch.get_num_threads()}",
               "quick": args.quick, "digits_target_accuracy": DIGITS_TARGET, "digits": a, "shakespeare": b,
               "rounds_to_target": scaffold_vs_fedavg, "wall_s": time.perf_counter() - started, "table_markdown": table}
-    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-    Path(args.out).write_text(json.dumps(result, indent=1))
-    print(table)
-    print(f"wall {result['wall_s']:.0f}s; written to {args.out}")
+    write_results(args.out, result, table)
 
 
 if __name__ == "__main__":

@@ -29,6 +29,8 @@ runs_app = typer.Typer(no_args_is_help=True, help="Runs in the run log.")
 node_app = typer.Typer(no_args_is_help=True, help="A datacenter's node in a standing federation.")
 app.add_typer(runs_app, name="runs")
 app.add_typer(node_app, name="node")
+admin_app = typer.Typer(no_args_is_help=True, help="Operator tasks: API tokens (stored hashed; use and refusals go to the audit log).")
+app.add_typer(admin_app, name="admin")
 
 DB_OPTION = typer.Option(None, "--db", help="Database URL (else $CROSSDC_DATABASE_URL, else sqlite:///crossdc.db).")
 DEMO_CONFIG = Path(__file__).parent / "platform" / "demo.toml"
@@ -48,11 +50,15 @@ def _user_errors() -> tuple[type[BaseException], ...]:
     from crossdc.strategies.base import StrategyError
     from crossdc.workloads import WorkloadError
 
+    from crossdc.clients.enroll import EnrollmentError
     from crossdc.clients.node_runner import NodeFailed
+    from crossdc.db.security import TokenError
+    from crossdc.platform.superlink_control import ControlError
     from crossdc.platform.tls import CertificateError
 
     errors: list[type[BaseException]] = [ConfigError, StrategyError, WorkloadError, PortInUse, RunFailed,
-                                          DatabaseUnavailable, TrainerFailed, TrainerUnavailable, CertificateError, NodeFailed]
+                                          DatabaseUnavailable, TrainerFailed, TrainerUnavailable, CertificateError, NodeFailed,
+                                          TokenError, EnrollmentError, ControlError]
     try:
         from crossdc.db.errors import InvalidDatabaseUrl
         errors.append(InvalidDatabaseUrl)
@@ -86,14 +92,16 @@ def _print_round(rows: list[dict[str, Any]], total: int) -> None:
 
 
 def _run_experiment(config: Any, db_url: str, engine: str, port: int, runs_dir: Path, quiet: bool,
-                    superlink: str | None = None, detach: bool = False) -> dict[str, Any]:
+                    superlink: str | None = None, detach: bool = False, superlink_ca: Path | None = None,
+                    run_id: str | None = None, resume: bool = False) -> dict[str, Any]:
     from crossdc.platform.local_run import Detached, LocalRunOptions, run_local
 
     total = config.run.rounds
     progress = None if quiet else (lambda rows: _print_round(rows, total))
     try:
         result = run_local(config, LocalRunOptions(db_url=db_url, engine=engine, superlink_port=port, runs_root=runs_dir,
-                                                   progress=progress, superlink=superlink, detach=detach))
+                                                   progress=progress, superlink=superlink, detach=detach,
+                                                   superlink_ca=superlink_ca, run_id=run_id, resume=resume))
     except Detached as detached:
         typer.echo(f"crossdc: {detached}", err=True)
         raise typer.Exit(0) from None
@@ -141,6 +149,7 @@ def run(
     as_json: bool = typer.Option(False, "--json", help="Print the run's summary as a JSON object on the last line."),
     baseline: str | None = typer.Option(None, "--baseline", help="Instead of the federation, run a single-datacenter baseline: all-workers or sequential."),
     superlink: str | None = typer.Option(None, "--superlink", help="HOST:PORT of a standing federation's SuperLink (its private Control API): submit there; Ctrl-C detaches."),
+    superlink_ca: Path | None = typer.Option(None, "--superlink-ca", help="With --superlink: the CA of the SuperLink's certificate (when it serves TLS)."),
     detach: bool = typer.Option(False, "--detach", help="With --superlink: print the run id and return; follow later with `crossdc runs follow`."),
     port: int = typer.Option(8000, "--port", min=1, max=65535, help="Port of the local SuperLink."),
     engine: str = typer.Option("deployment", "--engine", help="deployment (SuperLink + SuperNodes) or simulation (Flower's in-process engine)."),
@@ -152,6 +161,8 @@ def run(
 
     if detach and superlink is None:
         fail("--detach needs --superlink (a local run stops with this command)")
+    if superlink_ca is not None and (superlink is None or not superlink_ca.is_file()):
+        fail("--superlink-ca needs --superlink and an existing CA file")
     if superlink is not None and baseline is not None:
         fail("--baseline runs in this process; it does not take --superlink")
     if engine not in ("deployment", "simulation"):
@@ -166,7 +177,8 @@ def run(
         typer.echo(f"run {run_id}: {baseline} baseline of {config.run.name}", err=True)
         summary = run_baseline(config, baseline, db_url, run_id, progress=None if as_json else (lambda rows: _print_round(rows, config.run.rounds)))
     else:
-        summary = _run_experiment(config, db_url, engine, port, runs_dir, quiet=as_json, superlink=superlink, detach=detach)
+        summary = _run_experiment(config, db_url, engine, port, runs_dir, quiet=as_json, superlink=superlink, detach=detach,
+                                  superlink_ca=superlink_ca)
         if summary.get("detached"):
             typer.echo(f"run {summary['run_id']} submitted to {superlink}; follow it with: crossdc runs follow {summary['run_id']}", err=True)
             typer.echo(json.dumps(_jsonable(summary)) if as_json else summary["run_id"])
@@ -211,9 +223,51 @@ def demo(
 
 
 @app.command()
-def resume(run_id: str, db: str | None = DB_OPTION) -> None:
-    """Continue a run from its last checkpoint (not implemented yet)."""
-    fail("resume is not implemented yet (checkpoints are part of the fault-tolerance work)")
+@_guard
+def resume(
+    run_id: str = typer.Argument(..., help="The run to continue (its id, as `crossdc run` printed it)."),
+    db: str | None = DB_OPTION,
+    as_json: bool = typer.Option(False, "--json", help="Print the run's summary as a JSON object on the last line."),
+    port: int = typer.Option(8000, "--port", min=1, max=65535, help="Port of the local SuperLink."),
+    engine: str = typer.Option("deployment", "--engine", help="deployment or simulation (as the run used)."),
+    runs_dir: Path = typer.Option(Path("runs"), "--runs-dir", help="Where the run's folder is (its settings and the datacenters' state)."),
+) -> None:
+    """Continue a run whose coordinator died from its newest checkpoint, under the same run id."""
+    from crossdc.db.engine import make_engine, resolve_database_url, safe_url, upgrade
+    from crossdc.db.queries import get_run
+    from crossdc.platform.config import parse_config
+    from crossdc.platform.local_run import coordinator_alive
+    from crossdc.platform.rundir import RunDir
+
+    if engine not in ("deployment", "simulation"):
+        fail(f"unknown engine '{engine}'; known: deployment, simulation")
+    db_url = resolve_database_url(db)
+    upgrade(db_url)
+    engine_ = make_engine(db_url)
+    try:
+        run = get_run(engine_, run_id)
+    finally:
+        engine_.dispose()
+    if run is None:
+        fail(f"run '{run_id}' is not in {safe_url(db_url)}")
+    if run["status"] == "finished":
+        fail(f"run '{run_id}' finished; there is nothing to resume")
+    run_dir = RunDir(runs_dir.resolve() / run_id)
+    if not run_dir.settings_file.is_file():
+        fail(f"the run's folder {run_dir.path} is not here (resume on the machine that ran it, with its --runs-dir)")
+    if (pid := coordinator_alive(run_dir)) is not None:
+        fail(f"run '{run_id}' is still running (its coordinator, pid {pid}, is alive); stop it before resuming")
+    settings = run_dir.settings()
+    config = parse_config(settings["config"])
+    if config.checkpoint.every_rounds <= 0 or not settings.get("checkpoint_url"):
+        fail(f"run '{run_id}' took no checkpoints ([checkpoint] every_rounds = 0): nothing to resume from")
+    from crossdc.platform.experiment import build_strategy
+
+    build_strategy(config)  # an asynchronous strategy refuses checkpoints (not implemented yet)
+    typer.echo(f"run {run_id}: resuming {config.run.name} from its newest checkpoint", err=True)
+    summary = _run_experiment(config, db_url, engine, port, runs_dir, quiet=as_json, run_id=run_id, resume=True)
+    typer.echo(f"run {summary['run_id']} finished", err=True)
+    typer.echo(json.dumps(_jsonable(summary)) if as_json else summary["run_id"])
 
 
 @app.command()
@@ -222,19 +276,38 @@ def serve(
     host: str = typer.Option("127.0.0.1", "--host", help="Address to listen on (0.0.0.0: every interface)."),
     port: int = typer.Option(8080, "--port", min=1, max=65535, help="Port to listen on (Flower's SuperLink has 8000)."),
     db: str | None = DB_OPTION,
+    certfile: Path | None = typer.Option(None, "--certfile", help="Serve HTTPS with this certificate (e.g. from `crossdc certs`)."),
+    keyfile: Path | None = typer.Option(None, "--keyfile", help="The certificate's private key."),
+    lock_reads: bool = typer.Option(False, "--lock-reads", help="Reads need a token too (any role); default: open reads."),
+    superlink_control: str | None = typer.Option(None, "--superlink-control", help="HOST:PORT of the SuperLink's private address: enrollments register datacenter keys there."),
+    superlink_ca: Path | None = typer.Option(None, "--superlink-ca", help="CA of the SuperLink's certificate (it serves TLS when SuperNodes authenticate)."),
 ) -> None:
-    """The JSON API (/api, OpenAPI at /docs), Prometheus /metrics and the dashboard, read-only over the run log."""
+    """The JSON API (/api, OpenAPI at /docs), Prometheus /metrics and the dashboard over the run log; enrollment and
+    admin endpoints need a token (`crossdc admin create-token`)."""
     import uvicorn
 
     from crossdc.dashboard.app import create_app
     from crossdc.db.engine import absolute_database_url, resolve_database_url, safe_url
     from crossdc.platform.processes import ensure_port_free
+    from crossdc.platform.superlink_control import SuperLinkControl
 
+    if (certfile is None) != (keyfile is None):
+        fail("give both --certfile and --keyfile, or neither")
     url = absolute_database_url(resolve_database_url(db))
     ensure_port_free(host, port)
-    app_ = create_app(url)
-    typer.echo(f"crossdc: serving {safe_url(url)} on http://{host}:{port}/ (API docs at /docs); Ctrl-C stops", err=True)
-    uvicorn.run(app_, host=host, port=port, log_level="warning", access_log=False)
+    control = (SuperLinkControl(superlink_control, superlink_ca, insecure=superlink_ca is None)
+               if superlink_control is not None else None)
+    app_ = create_app(url, lock_reads=lock_reads, superlink_control=control)
+    scheme = "https" if certfile else "http"
+    typer.echo(f"crossdc: serving {safe_url(url)} on {scheme}://{host}:{port}/ (API docs at /docs); reads "
+               f"{'need a token' if lock_reads else 'are open'}; enrollment "
+               f"{'registers keys at ' + superlink_control if control else 'is off (no --superlink-control)'}; Ctrl-C stops",
+               err=True)
+    if scheme == "http" and host not in ("127.0.0.1", "localhost", "::1"):
+        typer.echo("crossdc: warning: plain HTTP on a non-loopback address sends tokens in the clear; use --certfile/--keyfile",
+                   err=True)
+    uvicorn.run(app_, host=host, port=port, log_level="warning", access_log=False,
+                ssl_certfile=str(certfile) if certfile else None, ssl_keyfile=str(keyfile) if keyfile else None)
 
 
 @db_app.command("upgrade")
@@ -380,6 +453,7 @@ def front(
     certfile: Path | None = typer.Option(None, "--certfile", help="TLS certificate (e.g. from `crossdc certs`)."),
     keyfile: Path | None = typer.Option(None, "--keyfile", help="Its private key."),
     insecure: bool = typer.Option(False, "--insecure", help="Serve plain HTTP (loopback tests only)."),
+    superlink_ca: Path | None = typer.Option(None, "--superlink-ca", help="The SuperLink serves TLS signed by this CA (needed with SuperNode authentication)."),
 ) -> None:
     """Serve the Fleet API of a private SuperLink to datacenters, refusing everything else (Control API included)."""
     import uvicorn
@@ -393,8 +467,9 @@ def front(
     if not host or not port_text.isdigit():
         fail(f"--listen must be HOST:PORT, got {listen!r}")
     ensure_port_free(host, int(port_text))
-    config = front_config(f"http://{superlink}", host, int(port_text), None if insecure else certfile,
-                          None if insecure else keyfile, FrontStats())
+    upstream = f"{'https' if superlink_ca else 'http'}://{superlink}"
+    config = front_config(upstream, host, int(port_text), None if insecure else certfile,
+                          None if insecure else keyfile, FrontStats(), upstream_ca=superlink_ca)
     typer.echo(f"Fleet API front on {'http' if insecure else 'https'}://{listen} → SuperLink {superlink} (Fleet API only)")
     uvicorn.Server(config).run()
 
@@ -420,9 +495,11 @@ def node_start(
     root_certificates: Path | None = typer.Option(None, "--root-certificates", help="CA the front's certificate is signed by (`crossdc certs`' ca.pem)."),
     insecure: bool = typer.Option(False, "--insecure", help="Plain HTTP to the SuperLink (loopback tests only)."),
     max_runs: int = typer.Option(2, "--max-runs", min=1, help="Trainers kept alive at once (least recently used stopped)."),
+    auth_key: Path | None = typer.Option(None, "--auth-key", help="The SuperNode's enrolled private key (default: STATE_DIR/node-key when `crossdc enroll` made one)."),
 ) -> None:
     """Run this datacenter's side of a standing federation: its SuperNode and the node service that gives every
     run a persistent local trainer (all local GPUs). Ctrl-C stops both."""
+    from crossdc.clients.enroll import PRIVATE_KEY_FILE
     from crossdc.clients.node import node_socket
     from crossdc.clients.node_runner import run_node
 
@@ -431,8 +508,89 @@ def node_start(
     if root_certificates is not None and not root_certificates.is_file():
         fail(f"--root-certificates: no such file: {root_certificates}")
     state_dir = state_dir.resolve()
-    typer.echo(f"datacenter {datacenter}: SuperNode → {superlink}, node service on {node_socket(state_dir)}, state in {state_dir}", err=True)
-    run_node(superlink, datacenter, state_dir, root_certificates, insecure, max_runs)
+    if auth_key is None and (state_dir / PRIVATE_KEY_FILE).exists():
+        auth_key = state_dir / PRIVATE_KEY_FILE
+    if auth_key is not None and not auth_key.is_file():
+        fail(f"--auth-key: no such file: {auth_key}")
+    signed = f"signed with {auth_key}" if auth_key else "unauthenticated (no enrolled key)"
+    typer.echo(f"datacenter {datacenter}: SuperNode → {superlink} ({signed}), node service on {node_socket(state_dir)}, "
+               f"state in {state_dir}", err=True)
+    run_node(superlink, datacenter, state_dir, root_certificates, insecure, max_runs, auth_key=auth_key)
+
+
+@app.command()
+@_guard
+def enroll(
+    server: str = typer.Option(..., "--server", help="URL of the federation's crossdc service, e.g. https://ops.example:8443."),
+    name: str = typer.Option(..., "--name", help="This datacenter's name, as experiment configs use it."),
+    gpus: int = typer.Option(..., "--gpus", min=0, help="GPUs this datacenter trains with."),
+    region: str | None = typer.Option(None, "--region", help="Where it is (free text)."),
+    bandwidth_mbps: float | None = typer.Option(None, "--bandwidth-mbps", min=0.001, help="WAN bandwidth, if known."),
+    rtt_ms: float | None = typer.Option(None, "--rtt-ms", min=0, help="WAN round-trip time, if known."),
+    state_dir: Path = typer.Option(Path("crossdc-node"), "--state-dir", help="The node's state folder; the key pair is made here."),
+    ca_cert: Path | None = typer.Option(None, "--ca-cert", help="CA of the service's certificate (`crossdc certs`' ca.pem)."),
+    new_key: bool = typer.Option(False, "--new-key", help="Make a new key pair first (to enroll again after a suspension); the old one is kept aside."),
+    token_env: str = typer.Option("CROSSDC_ENROLLMENT_TOKEN", "--token-env", help="Environment variable holding the enrollment token (never a command-line argument: those are visible to every user)."),
+) -> None:
+    """Enroll this datacenter: make its SuperNode key pair (the private key stays here, mode 0600) and register the
+    public key with the federation using the operator's enrollment token. Then: crossdc node start."""
+    from crossdc.clients.enroll import PRIVATE_KEY_FILE, enroll as enroll_datacenter
+
+    token = os.environ.get(token_env, "").strip()
+    if not token:
+        fail(f"put the operator's enrollment token in ${token_env}")
+    if ca_cert is not None and not ca_cert.is_file():
+        fail(f"--ca-cert: no such file: {ca_cert}")
+    record = enroll_datacenter(server, token, state_dir.resolve(), name=name, gpus=gpus, region=region,
+                               link_bandwidth_mbps=bandwidth_mbps, link_rtt_ms=rtt_ms, ca_cert=ca_cert, new_key=new_key)
+    typer.echo(f"datacenter {name} enrolled (node {record.get('node_id')}); key in {state_dir.resolve() / PRIVATE_KEY_FILE}; "
+               f"start it with: crossdc node start --datacenter {name} --state-dir {state_dir} --superlink FRONT:PORT "
+               "--root-certificates ca.pem", err=True)
+
+
+@admin_app.command("create-token")
+@_guard
+def admin_create_token(
+    name: str = typer.Option(..., "--name", help="A name for the token (shown in the audit log)."),
+    role: str = typer.Option("admin", "--role", help="admin, enrollment (may only enroll datacenters) or read."),
+    db: str | None = DB_OPTION,
+) -> None:
+    """Create an API token; it is printed once (stdout) and stored only as its SHA-256."""
+    from crossdc.db.engine import make_engine, resolve_database_url, upgrade
+    from crossdc.db.security import create_token
+
+    url = resolve_database_url(db)
+    upgrade(url)
+    token = create_token(make_engine(url), name, role)
+    typer.echo(f"token '{name}' (role {role}) created; it is shown only now:", err=True)
+    typer.echo(token)
+
+
+@admin_app.command("revoke-token")
+@_guard
+def admin_revoke_token(name: str = typer.Argument(..., help="The token's name."), db: str | None = DB_OPTION) -> None:
+    """Revoke an API token from now on."""
+    from crossdc.db.engine import make_engine, resolve_database_url
+    from crossdc.db.security import revoke_token
+
+    revoke_token(make_engine(resolve_database_url(db)), name)
+    typer.echo(f"token '{name}' revoked", err=True)
+
+
+@admin_app.command("tokens")
+@_guard
+def admin_tokens(db: str | None = DB_OPTION, as_json: bool = typer.Option(False, "--json")) -> None:
+    """List API tokens: name, role, dates (never the tokens)."""
+    from crossdc.db.engine import make_engine, resolve_database_url
+    from crossdc.db.security import list_tokens
+
+    rows = list_tokens(make_engine(resolve_database_url(db)))
+    if as_json:
+        typer.echo(json.dumps(_jsonable(rows)))
+        return
+    for row in rows:
+        state = f"revoked {row['revoked_at']:%Y-%m-%d %H:%M}" if row["revoked_at"] else "live"
+        typer.echo(f"{row['name']:<24} {row['role']:<11} created {row['created_at']:%Y-%m-%d %H:%M}  {state}")
 
 
 def main() -> None:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import os
 import shutil
 import signal
@@ -190,3 +191,26 @@ def _via(url: str, relay: TcpRelay) -> str:
     return make_url(url).set(host="127.0.0.1", port=relay.port).render_as_string(hide_password=False)
 
 
+
+
+@contextlib.contextmanager
+def authenticating_superlink(directory: Path) -> Iterator[tuple[str, Any]]:
+    """A real flower-superlink with SuperNode authentication (so TLS, with `crossdc certs` certificates) on a free
+    loopback port; yields its address and the certificate paths, and stops it afterwards."""
+    from crossdc.platform.processes import ProcessGroup, flower_env, free_port, wait_for_port
+    from crossdc.platform.tls import make_certificates
+
+    certs = make_certificates(directory / "certs", ["127.0.0.1", "localhost"])
+    port = free_port()
+    processes = ProcessGroup()
+    try:
+        superlink = processes.start("superlink", [str(Path(sys.executable).with_name("flower-superlink")),
+                                                  "--ssl-certfile", str(certs.server_cert), "--ssl-keyfile", str(certs.server_key),
+                                                  "--ssl-ca-certfile", str(certs.ca_cert), "--enable-supernode-auth",
+                                                  "--disable-runtime-dependency-installation", "--host", "127.0.0.1",
+                                                  "--port", str(port)], directory / "superlink.log",
+                                    env=flower_env(directory / "flwr-home"))
+        wait_for_port("127.0.0.1", port, 60, alive=superlink)
+        yield f"127.0.0.1:{port}", certs
+    finally:
+        processes.stop_all()

@@ -54,9 +54,11 @@ def test_deadline_uses_the_ceiling_until_there_is_history() -> None:
 
 
 def test_deadline_is_median_plus_k_mad_clamped() -> None:
-    policy = DeadlinePolicy(floor_s=10, ceiling_s=300, k_mad=4, min_history=3)
+    policy = DeadlinePolicy(floor_s=10, ceiling_s=300, k_mad=4, min_history=3, slack=0.0)
     # median 15, MAD 1 → 15 + 4 × 1.4826
     assert datacenter_deadline([14, 15, 16, 15, 15, 14, 16], policy) == pytest.approx(15 + 4 * 1.4826)
+    # rounds that were all alike (MAD 0) still leave the relative slack: 1.5 × the median by default
+    assert datacenter_deadline([20, 20, 20], DeadlinePolicy(floor_s=10, ceiling_s=300, k_mad=4)) == pytest.approx(30)
     assert datacenter_deadline([1, 1, 1], policy) == 10  # the floor
     assert datacenter_deadline([500, 500, 500], policy) == 300  # the ceiling
 
@@ -65,6 +67,6 @@ def test_round_deadline_waits_for_the_slowest_datacenter() -> None:
     policy = DeadlinePolicy(floor_s=5, ceiling_s=600, k_mad=3, min_history=3)
     history = {"fast": [2.0, 2.1, 1.9], "slow": [15.0, 15.5, 14.5]}
     deadline = round_deadline(history, ["fast", "slow"], policy)
-    assert 15.5 < deadline < 20
+    assert deadline == pytest.approx(1.5 * 15.0)  # the slack beats median + 3 MAD here
     assert round_deadline(history, ["fast"], policy) == 5
     assert round_deadline(history, ["fast", "newcomer"], policy) == 600

@@ -151,7 +151,9 @@ CASES: dict[str, tuple[str | None, list[str], tuple[str, ...]]] = {
                            ("strategy 'diloco' needs workload.optimizer = \"adamw\"", "\"sgd\"")),
     "zero-datacenters": (BASE.split("[[datacenters]]")[0], [], ("no datacenters",)),
     "invalid-toml": (BASE.replace("[run]", "[run"), [], ("not valid TOML",)),
-    "not-implemented": (BASE + '\n[checkpoint]\nevery_rounds = 5\n', [], ("'checkpoint.every_rounds'", "not implemented yet")),
+    "not-implemented": (BASE.replace('name = "fedavg"', 'name = "fedasync"') + '\n[checkpoint]\nevery_rounds = 5\n', [],
+                        ("'checkpoint.every_rounds'", "not implemented yet", "fedasync")),
+    "bad-checkpoint": (BASE + '\n[checkpoint]\nevery_rounds = -1\n', [], ("'checkpoint.every_rounds'", "≥ 0")),
     "unknown-codec": (BASE + '\n[compression]\ncodecs = ["zip"]\n', [], ("'compression.codecs'", "unknown codec 'zip'", "topk")),
     "codec-fraction": (BASE + '\n[compression]\ncodecs = ["topk:1.5"]\n', [], ("codec 'topk' parameter 'fraction'", "1.5")),
     "file-not-found": (None, ["@missing"], ("config file not found",)),
@@ -283,6 +285,5 @@ def test_db_upgrade_unreachable_postgres_is_one_line(tmp_path: Path) -> None:
 
 
 @pytest.mark.timeout(60)
-@pytest.mark.parametrize("args", [["resume", "abc"]], ids=["resume"])
-def test_unbuilt_commands_say_not_implemented(tmp_path: Path, args: list[str]) -> None:
-    assert_one_error_line(cli(args, tmp_path), "not implemented yet")
+def test_resume_of_an_unknown_run_is_one_line(tmp_path: Path) -> None:
+    assert_one_error_line(cli(["resume", "abc", "--db", f"sqlite:///{tmp_path / 'r.db'}"], tmp_path), "run 'abc' is not in")

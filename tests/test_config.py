@@ -14,6 +14,7 @@ import pytest
 from crossdc.platform.config import (
     ConfigError,
     ExperimentConfig,
+    SecuritySection,
     TauSchedule,
     load_config,
     parse_config,
@@ -328,21 +329,80 @@ def test_min_replies_more_than_datacenters_is_rejected() -> None:
 @pytest.mark.parametrize(
     ("path", "value", "key"),
     [
-        ("checkpoint.every_rounds", 5, "checkpoint.every_rounds"),
-        ("checkpoint.keep", 5, "checkpoint.keep"),
-        ("checkpoint.dir", "s3://bucket/ckpt", "checkpoint.dir"),
-        ("security.robust_aggregation", "median", "security.robust_aggregation"),
-        ("security.robust_aggregation", "trimmed_mean", "security.robust_aggregation"),
-        ("security.norm_rejection_factor", 3, "security.norm_rejection_factor"),
-        ("run.deadline", {"floor_s": 30, "ceiling_s": 3600, "k_mad": 4}, "run.deadline"),
-        ("datacenters.0.speed", 0.5, "datacenters[0].speed"),
-        ("datacenters.1.speed", 2, "datacenters[1].speed"),
+        ("checkpoint.every_rounds", -1, "checkpoint.every_rounds"),
+        ("checkpoint.keep", -2, "checkpoint.keep"),
+        ("checkpoint.dir", "  ", "checkpoint.dir"),
+        ("checkpoint.often", 1, "checkpoint.often"),
+        ("run.deadline", {"floor_s": 30, "ceiling_s": 10}, "run.deadline.ceiling_s"),
+        ("run.deadline", {"floor_s": 0}, "run.deadline.floor_s"),
+        ("run.deadline", {"k_mad": -1}, "run.deadline.k_mad"),
+        ("run.deadline", {"min_history": 5, "window": 4}, "run.deadline.min_history"),
+        ("run.deadline", {"floor": 3}, "run.deadline.floor"),
+        ("run.deadline", 30, "run.deadline"),
     ],
 )
-def test_not_implemented_yet(path: str, value: Any, key: str) -> None:
+def test_checkpoint_and_deadline_errors(path: str, value: Any, key: str) -> None:
     message = config_error(with_changes(path, value))
-    assert f"'{key}'" in message
-    assert "not implemented yet" in message
+    assert f"'{key}'" in message and "\n" not in message
+
+
+def test_checkpoint_and_deadline_values() -> None:
+    from crossdc.platform.config import CheckpointSection
+    from crossdc.platform.deadline import DeadlinePolicy
+
+    assert parse_config(minimal()).checkpoint == CheckpointSection(0, "checkpoints/", 3)
+    doc = with_changes("checkpoint", {"every_rounds": 5, "dir": "s3://bucket/ckpt", "keep": 0})
+    assert parse_config(doc).checkpoint == CheckpointSection(5, "s3://bucket/ckpt", 0)
+    run = parse_config(with_changes("run.deadline", {"floor_s": 5, "ceiling_s": 600, "k_mad": 3})).run
+    assert run.deadline == DeadlinePolicy(5.0, 600.0, 3.0) and run.round_timeout_s == 600.0
+    both = with_changes("run.deadline", {"floor_s": 5})
+    both["run"]["round_timeout_s"] = 10.0
+    assert "not both" in config_error(both)
+
+
+# -- [security] ------------------------------------------------------------------------------
+
+
+def test_security_defaults_and_values() -> None:
+    assert parse_config(minimal()).security == SecuritySection("none", 0.2, 0.0, None)
+    doc = with_changes("security", {"robust_aggregation": "trimmed_mean", "trim_fraction": 0.1,
+                                    "norm_rejection_factor": 10, "max_update_mb": 5})
+    security = parse_config(doc).security
+    assert security == SecuritySection("trimmed_mean", 0.1, 10.0, 5.0)
+    assert isinstance(security.norm_rejection_factor, float) and isinstance(security.max_update_mb, float)
+    assert parse_config(with_changes("security.robust_aggregation", "median")).security.robust_aggregation == "median"
+    assert parse_config(with_changes("security.trim_fraction", 0, with_changes("security.robust_aggregation", "trimmed_mean"))
+                        ).security.trim_fraction == 0.0
+
+
+@pytest.mark.parametrize(
+    ("path", "value", "key", "expected"),
+    [
+        ("security.robust_aggregation", "mean", "security.robust_aggregation", "must be one of \"none\", \"median\", \"trimmed_mean\""),
+        ("security.robust_aggregation", 1, "security.robust_aggregation", "must be a string"),
+        ("security.norm_rejection_factor", -1, "security.norm_rejection_factor", "≥ 0"),
+        ("security.norm_rejection_factor", 0.5, "security.norm_rejection_factor", "0 (off) or > 1"),
+        ("security.norm_rejection_factor", 1, "security.norm_rejection_factor", "0 (off) or > 1"),
+        ("security.norm_rejection_factor", "3", "security.norm_rejection_factor", "must be a number"),
+        ("security.norm_rejection_factor", True, "security.norm_rejection_factor", "must be a number"),
+        ("security.norm_rejection_factor", float("nan"), "security.norm_rejection_factor", "finite"),
+        ("security.max_update_mb", 0, "security.max_update_mb", "> 0"),
+        ("security.max_update_mb", -2, "security.max_update_mb", "> 0"),
+        ("security.max_update_mb", float("inf"), "security.max_update_mb", "finite"),
+        ("security.max_update_mb", "1", "security.max_update_mb", "must be a number"),
+        ("security.trim_fraction", 0.1, "security.trim_fraction", "only applies with robust_aggregation = \"trimmed_mean\""),
+    ],
+)
+def test_security_errors_name_the_key(path: str, value: Any, key: str, expected: str) -> None:
+    message = config_error(with_changes(path, value))
+    assert f"'{key}'" in message and expected in message, message
+
+
+@pytest.mark.parametrize("fraction", [0.5, 0.7, -0.1, float("nan")])
+def test_trim_fraction_out_of_range(fraction: float) -> None:
+    doc = with_changes("security.trim_fraction", fraction, with_changes("security.robust_aggregation", "trimmed_mean"))
+    message = config_error(doc)
+    assert "'security.trim_fraction'" in message and "[0, 0.5)" in message
 
 
 def test_compression_codecs_are_parsed_and_checked_before_the_run() -> None:

@@ -61,9 +61,11 @@ EXPECTED_COLUMNS: dict[str, set[str]] = {
     "events": {"id", "run_id", "at", "round", "kind", "datacenter", "detail"},
     "datacenters": {
         "id", "name", "region", "gpus", "public_key", "status", "enrolled_at", "last_seen",
-        "link_bandwidth_mbps", "link_rtt_ms",
+        "link_bandwidth_mbps", "link_rtt_ms", "node_id",
     },
     "checkpoints": {"id", "run_id", "round", "uri", "created_at"},
+    "api_tokens": {"id", "name", "role", "token_hash", "created_at", "revoked_at", "last_used_at"},
+    "audit_log": {"id", "at", "action", "outcome", "actor", "target", "client", "detail"},
 }
 BIG_FLOWER_ID = 2**63 + 12345  # does not fit a signed BIGINT
 
@@ -160,7 +162,7 @@ def _check_schema(url: str) -> None:
         assert set(EXPECTED_COLUMNS) <= tables
         for table, columns in EXPECTED_COLUMNS.items():
             assert {c["name"] for c in insp.get_columns(table)} == columns, table
-            if table != "datacenters" and table != "runs":
+            if table not in ("datacenters", "runs", "api_tokens", "audit_log"):
                 fks = insp.get_foreign_keys(table)
                 assert [(fk["referred_table"], fk["options"].get("ondelete")) for fk in fks] == [
                     ("runs", "CASCADE")

@@ -1,54 +1,106 @@
-"""A standing federation: SuperLink and datacenters started on their own (`crossdc node start`), runs submitted to it
-(`crossdc run --superlink`), over TLS through the Fleet API front; the CLI can detach and follow again."""
+"""A standing federation as an operator runs it: a SuperLink with SuperNode authentication on a private address (TLS,
+as Flower requires for authentication), crossdc's Fleet API front before it, crossdc's API service that enrolls
+datacenters; datacenters enroll (`crossdc enroll`) and start their nodes (`crossdc node start`); a run is submitted
+(`crossdc run --superlink`), detached and followed. A SuperNode without an enrolled key is refused; a revoked one
+is cut off and cannot come back."""
 
 from __future__ import annotations
 
 import json
 import subprocess
-import sys
-import time
 from pathlib import Path
+from typing import Any
 
+import httpx
 import pytest
 
-from conftest import CROSSDC, read_run
+from conftest import CROSSDC, authenticating_superlink, read_run
+from crossdc.clients.enroll import node_key
+from crossdc.dashboard.app import create_app
+from crossdc.db.engine import make_engine, upgrade
+from crossdc.db.security import audit_entries
+from crossdc.platform.background_server import start_background, uvicorn_config
 from crossdc.platform.fleet_front import start_front
-from crossdc.platform.processes import ProcessGroup, flower_env, free_port, kill_processes_with_env, wait_for_port
-from crossdc.platform.tls import make_certificates
+from crossdc.platform.processes import ProcessGroup, flower_env, free_port, kill_processes_with_env
+from crossdc.platform.superlink_control import SuperLinkControl
 
 REPO = Path(__file__).resolve().parents[1]
 CONFIG = REPO / "examples" / "synthetic-2dc.toml"
 MARKER = "CROSSDC_TEST_STANDING_FEDERATION"
 
 
+def _cli(args: list[str], env: dict[str, str], timeout: float = 120) -> subprocess.CompletedProcess[str]:
+    return subprocess.run([CROSSDC, *args], capture_output=True, text=True, timeout=timeout, env=env)
+
+
+def _exits_within(process: subprocess.Popen[bytes], timeout_s: float) -> int | None:
+    try:
+        return process.wait(timeout=timeout_s)
+    except subprocess.TimeoutExpired:
+        return None
+
+
 @pytest.mark.deployment
 @pytest.mark.timeout(600)
-def test_run_on_a_standing_federation_over_tls_detach_and_follow(tmp_path: Path) -> None:
-    certs = make_certificates(tmp_path / "certs", ["127.0.0.1", "localhost"])
+def test_enrolled_datacenters_run_over_tls_and_others_are_refused(tmp_path: Path) -> None:
     env = {**flower_env(tmp_path / "superlink-home"), MARKER: str(tmp_path)}
     processes = ProcessGroup()
-    private, public = free_port(), free_port()
-    front = None
     db_url = f"sqlite:///{tmp_path / 'federation.db'}"
+    upgrade(db_url)
+    # the operator: SuperLink (private, TLS, only enrolled SuperNodes), the front, the API service
+    with authenticating_superlink(tmp_path / "operator") as (private_address, certs):
+        outcome = _operate_and_enroll(tmp_path, env, processes, private_address, certs, db_url)
+    # the run finished on the enrolled datacenters; the revoked one ended up revoked, the other still online
+    assert outcome["run_status"] == "finished" and outcome["ok_rows"] == 6
+    assert outcome["statuses"] == {"us-east": "revoked", "eu-west": "active"}
+    assert outcome["eu_west_online"]
+
+
+def _operate_and_enroll(tmp_path: Path, env: dict[str, str], processes: ProcessGroup, private_address: str, certs: Any,
+                        db_url: str) -> dict[str, Any]:
+    public, api_port = free_port(), free_port()
+    front = service = control = None
+    private = int(private_address.rpartition(":")[2])
     try:
-        superlink = processes.start("superlink", [str(Path(sys.executable).with_name("flower-superlink")), "--insecure",
-                                                  "--disable-runtime-dependency-installation", "--host", "127.0.0.1",
-                                                  "--port", str(private)], tmp_path / "superlink.log", env=env)
-        wait_for_port("127.0.0.1", private, 60, alive=superlink)
-        front = start_front(f"http://127.0.0.1:{private}", "127.0.0.1", public, certs.server_cert, certs.server_key)
+        front = start_front(f"https://127.0.0.1:{private}", "127.0.0.1", public, certs.server_cert, certs.server_key,
+                            upstream_ca=certs.ca_cert)
+        control = SuperLinkControl(f"127.0.0.1:{private}", certs.ca_cert)
+        app = create_app(db_url, superlink_control=control)
+        service = start_background(uvicorn_config(app, "127.0.0.1", api_port, ssl_certfile=str(certs.server_cert),
+                                                  ssl_keyfile=str(certs.server_key)), "api")
+        made = _cli(["admin", "create-token", "--name", "enroller", "--role", "enrollment", "--db", db_url], env)
+        assert made.returncode == 0, made.stderr
+        enrollment_token = made.stdout.strip()
+        admin_token = _cli(["admin", "create-token", "--name", "ops", "--db", db_url], env).stdout.strip()
+
+        # each datacenter enrolls with the enrollment token, then starts its node with the key enrollment made
         for name in ("us-east", "eu-west"):
-            processes.start(f"node-{name}", [CROSSDC, "node", "start", "--superlink", f"127.0.0.1:{public}", "--datacenter", name,
-                                            "--state-dir", str(tmp_path / name), "--root-certificates", str(certs.ca_cert)],
-                            tmp_path / f"node-{name}.log", env=env)
-        submitted = subprocess.run([CROSSDC, "run", str(CONFIG), "--superlink", f"127.0.0.1:{private}", "--db", db_url,
-                                    "--detach", "--runs-dir", str(tmp_path / "runs")],
-                                   capture_output=True, text=True, timeout=180, env=env)
+            enrolled = _cli(["enroll", "--server", service.url, "--name", name, "--gpus", "0", "--region", "test",
+                             "--state-dir", str(tmp_path / name), "--ca-cert", str(certs.ca_cert)],
+                            {**env, "CROSSDC_ENROLLMENT_TOKEN": enrollment_token})
+            assert enrolled.returncode == 0, enrolled.stderr
+            assert oct((tmp_path / name / "node-key").stat().st_mode & 0o777) == "0o600"
+        nodes = {name: processes.start(f"node-{name}", [CROSSDC, "node", "start", "--superlink", f"127.0.0.1:{public}",
+                                                         "--datacenter", name, "--state-dir", str(tmp_path / name),
+                                                         "--root-certificates", str(certs.ca_cert)],
+                                       tmp_path / f"node-{name}.log", env=env)
+                 for name in ("us-east", "eu-west")}
+        # a SuperNode whose key nobody enrolled is refused by the SuperLink, and its node says why
+        stranger_key = node_key(tmp_path / "stranger").private_key
+        stranger = processes.start("node-stranger", [CROSSDC, "node", "start", "--superlink", f"127.0.0.1:{public}",
+                                                     "--datacenter", "us-east", "--state-dir", str(tmp_path / "stranger"),
+                                                     "--auth-key", str(stranger_key), "--root-certificates", str(certs.ca_cert)],
+                                   tmp_path / "node-stranger.log", env=env)
+        assert _exits_within(stranger.process, 90) not in (None, 0)
+        assert "refused this datacenter's key" in (tmp_path / "node-stranger.log").read_text()
+
+        # the run: submitted on the private address (TLS), detached, followed to its end from the run log
+        submitted = _cli(["run", str(CONFIG), "--superlink", f"127.0.0.1:{private}", "--superlink-ca", str(certs.ca_cert),
+                          "--db", db_url, "--detach", "--runs-dir", str(tmp_path / "runs")], env, timeout=180)
         assert submitted.returncode == 0, submitted.stderr[-3000:]
         run_id = submitted.stdout.strip().splitlines()[-1]
         assert "crossdc runs follow" in submitted.stderr
-        # the command is gone, the run goes on: follow it to its end from the run log alone
-        followed = subprocess.run([CROSSDC, "runs", "follow", run_id, "--db", db_url], capture_output=True, text=True,
-                                  timeout=400, env=env)
+        followed = _cli(["runs", "follow", run_id, "--db", db_url], env, timeout=400)
         logs = {p.name: p.read_text(errors="replace")[-1500:] for p in tmp_path.glob("node-*.log")}
         assert followed.returncode == 0, (followed.stderr[-3000:], logs)
         summary = json.loads(followed.stdout.strip().splitlines()[-1])
@@ -56,12 +108,50 @@ def test_run_on_a_standing_federation_over_tls_detach_and_follow(tmp_path: Path)
         logged = read_run(db_url, run_id)
         assert logged["run"]["status"] == "finished"
         assert len(logged["dc_rounds"]) == 6 and all(r["status"] == "ok" for r in logged["dc_rounds"])
-        # every datacenter trained in its own node's state folder, and only Fleet API calls crossed the front
         for name in ("us-east", "eu-west"):
             assert (tmp_path / name / "runs" / run_id / "run.json").exists()
+        # only Fleet API calls crossed the front
         assert front.stats.refused == {} and any(path.endswith("push-messages") for path, _ in front.stats.forwarded)
+
+        # the operator revokes us-east: its SuperNode is cut off, and it cannot come back with the same key
+        headers = {"Authorization": f"Bearer {admin_token}"}
+        with httpx.Client(base_url=service.url, verify=str(certs.ca_cert), timeout=60) as api:
+            assert api.delete("/api/datacenters/us-east").status_code == 401
+            assert api.delete("/api/datacenters/us-east", headers={"Authorization": f"Bearer {enrollment_token}"}).status_code == 403
+            revoked = api.delete("/api/datacenters/us-east", headers=headers)
+            assert revoked.status_code == 200 and revoked.json()["status"] == "revoked", revoked.text
+            listed = {d["name"]: d for d in api.get("/api/datacenters").json()}
+        assert listed["us-east"]["status"] == "revoked" and listed["eu-west"]["status"] == "active"
+        assert _exits_within(nodes["us-east"].process, 90) is not None, "the revoked datacenter's node kept running"
+        assert nodes["eu-west"].process.poll() is None
+        again = processes.start("node-us-east-again", [CROSSDC, "node", "start", "--superlink", f"127.0.0.1:{public}",
+                                                        "--datacenter", "us-east", "--state-dir", str(tmp_path / "us-east"),
+                                                        "--root-certificates", str(certs.ca_cert)],
+                                tmp_path / "node-us-east-again.log", env=env)
+        assert _exits_within(again.process, 90) not in (None, 0)
+        assert "refused this datacenter's key" in (tmp_path / "node-us-east-again.log").read_text()
+        node_states = control.nodes()
+        eu_west_online = node_states[int(listed["eu-west"]["node_id"])] == "online"
+        assert eu_west_online
+
+        # the audit log has the enrollments, the revocation and the refused attempts; no token appears anywhere
+        with make_engine(db_url).connect() as conn:
+            audit = audit_entries(conn, limit=1000)
+        acts = [(a["action"], a["outcome"], a["target"] or a["actor"]) for a in audit]
+        assert ("enroll", "ok", "us-east") in acts and ("enroll", "ok", "eu-west") in acts
+        assert ("revoke", "ok", "us-east") in acts
+        assert ("DELETE /api/datacenters/us-east", "refused", "enroller") in acts
+        assert sum(a["outcome"] == "refused" for a in audit) >= 2
+        everything = json.dumps(audit, default=str) + "".join(
+            p.read_text(errors="replace") for p in tmp_path.rglob("*.log"))
+        assert enrollment_token not in everything and admin_token not in everything
+        return {"run_status": logged["run"]["status"], "ok_rows": sum(r["status"] == "ok" for r in logged["dc_rounds"]),
+                "statuses": {name: d["status"] for name, d in listed.items()}, "eu_west_online": eu_west_online}
     finally:
-        if front is not None:
-            front.stop()
+        for server in (front, service):
+            if server is not None:
+                server.stop()
+        if control is not None:
+            control.close()
         processes.stop_all()
         kill_processes_with_env(MARKER, str(tmp_path))

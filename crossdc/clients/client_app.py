@@ -33,6 +33,12 @@ NODE_SERVICE = "node-service"
 NODE_AUTHKEY_FILE = "node-authkey-file"
 ROUND = "round"
 TAU = "tau"
+#: which attempt at the run this message belongs to (1, then +1 per `crossdc resume`), and the round of the
+#: server's oldest retained checkpoint (present only when the run checkpoints)
+ATTEMPT = "crossdc-attempt"
+CHECKPOINT_ROUND = "crossdc-checkpoint-round"
+#: in a resumed run (attempt > 1): the round of the checkpoint it continues from
+RESUME_ROUND = "crossdc-resume-round"
 DATACENTER = "datacenter"
 
 app = ClientApp()
@@ -109,6 +115,9 @@ def train(msg: Message, context: Context) -> Message:
             "run_id": str(config[RUN_ID]),
             "round": int(config[ROUND]),
             "tau": int(config[TAU]),
+            "attempt": int(config.get(ATTEMPT, 1)),
+            **({"checkpoint_round": int(config[CHECKPOINT_ROUND])} if CHECKPOINT_ROUND in config else {}),
+            **({"resume_round": int(config[RESUME_ROUND])} if RESUME_ROUND in config else {}),
             **global_model(msg.content),
             "received": extra_groups(msg.content),
         },

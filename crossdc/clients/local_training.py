@@ -7,7 +7,9 @@ between calls, so several short calls equal one long call.
 
 from __future__ import annotations
 
+import statistics
 import time
+from collections import deque
 from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
@@ -18,6 +20,10 @@ from torch.utils.data import TensorDataset
 
 from crossdc.clients.devices import autocast
 from crossdc.workloads import Workload, make_optimizer
+
+
+#: the shortest sleep of the speed emulation (see LocalTrainer): the trainer runs ahead of its pace until this much
+SLEEP_QUANTUM_S = 0.2
 
 
 @dataclass(frozen=True)
@@ -89,12 +95,27 @@ class LocalTrainer:
     process on the whole global batch (same batch semantics, same model, to float tolerance).
     The model lives on `device` (a rank's GPU, or the CPU); with ``precision = "bf16"`` each forward pass runs
     under bf16 autocast while weights, gradients and optimizer state stay fp32.
+
+    `speed` s in (0, 1] (the datacenter's ``speed`` in the config) *emulates* a slower datacenter: the steps are
+    paced so that each takes 1/s times a step's measured time on the wall clock — the trainer sleeps whenever it
+    is at least SLEEP_QUANTUM_S ahead of that pace, and at the end of the call until the pace is met; the sleep
+    is part of the reported ``compute_s``. Nothing else changes (same steps, same maths). A step's time is the
+    median of recent steps that did not follow a pause (:attr:`hot_step_s`): a step right after a sleep runs on
+    cold caches and can take several times longer, and multiplying that would emulate a far slower datacenter.
+    With W > 1 ranks only rank 0 sleeps: the others wait for it in the next step's gradient all-reduce, so the
+    whole group runs at the emulated speed (were every rank to sleep, each would also stretch the time it waited
+    for the others' sleep, and the sleeps would grow without bound).
     """
 
     def __init__(self, workload: Workload, dataset: TensorDataset, batch_size: int, optimizer: str, lr: float, seed: int,
-                 rank: int = 0, world: int = 1, device: str = "cpu", precision: str = "fp32") -> None:
+                 rank: int = 0, world: int = 1, device: str = "cpu", precision: str = "fp32", speed: float = 1.0) -> None:
         if batch_size % world:
             raise ValueError(f"the batch size {batch_size} must be divisible by the {world} local workers")
+        if not 0.0 < speed <= 1.0:
+            raise ValueError(f"speed must be in (0, 1], got {speed!r}")
+        self.slowdown = 1.0 / speed - 1.0 if rank == 0 else 0.0  # seconds slept per second of measured step time
+        #: durations of recent steps that did not follow a pause (the speed emulation's measure of a step)
+        self.hot_step_s: deque[float] = deque(maxlen=256)
         torch.manual_seed(seed)
         self.workload = workload
         self.device, self.precision = torch.device(device), precision
@@ -121,7 +142,7 @@ class LocalTrainer:
         return frozenset(name for name, p in self.model.named_parameters() if p.requires_grad)
 
     def train_steps(self, steps: int, extra_loss: Any = None, after_backward: Any = None) -> StepsResult:
-        """Run exactly `steps` optimizer steps.
+        """Run exactly `steps` optimizer steps (each stretched to 1/speed of its time, see the class doc).
 
         `extra_loss(model)` (optional) is added to each step's loss (not to the reported loss); `after_backward(model)`
         (optional) runs once the step's gradients are complete — with W > 1 ranks after DistributedDataParallel
@@ -131,7 +152,9 @@ class LocalTrainer:
         self.model.train()
         total_loss, examples = 0.0, 0
         started = time.perf_counter()
+        deadline, woke = started, True  # speed emulation: when the steps so far should end; the last step followed a pause
         for _ in range(steps):
+            step_started = time.perf_counter()
             inputs, targets = self.stream.next()
             examples += int(inputs.shape[0])
             if self.world > 1:
@@ -148,6 +171,17 @@ class LocalTrainer:
                 after_backward(self.model)
             self.optimizer.step()
             total_loss += float(loss.detach())
+            if self.slowdown > 0.0:  # speed emulation: this step takes 1/speed times as long (see the class doc)
+                took = time.perf_counter() - step_started
+                if not woke:
+                    self.hot_step_s.append(took)
+                deadline += (1.0 + self.slowdown) * (statistics.median(self.hot_step_s) if self.hot_step_s else took)
+                ahead = deadline - time.perf_counter()
+                woke = ahead >= SLEEP_QUANTUM_S
+                if woke:
+                    time.sleep(ahead)
+        if self.slowdown > 0.0 and (ahead := deadline - time.perf_counter()) > 0.0:
+            time.sleep(ahead)
         mean_loss = total_loss / steps
         if self.world > 1:  # the mean over ranks of equal slices is the global batch's mean loss
             import torch.distributed as dist

@@ -26,17 +26,42 @@ def node_env(state_dir: Path) -> dict[str, str]:
     return flower_env(state_dir / "flwr-home")
 
 
-def supernode_command(superlink: str, datacenter: str, state_dir: Path, root_certificates: Path | None, insecure: bool) -> list[str]:
-    """The SuperNode's command line (TLS unless `insecure`)."""
+#: what flwr 1.42's SuperNode logs when the SuperLink refuses its key (its process then exits with code 1)
+REFUSED_MARKERS = ("Failed to activate SuperNode", "Exit Code: 305")
+
+
+def supernode_command(superlink: str, datacenter: str, state_dir: Path, root_certificates: Path | None, insecure: bool,
+                      auth_key: Path | None = None) -> list[str]:
+    """The SuperNode's command line (TLS unless `insecure`; signed with the enrolled key `auth_key` if given)."""
     node_config = (f'datacenter="{datacenter}" {NODE_SERVICE}="{node_socket(state_dir)}" '
                    f'{NODE_AUTHKEY_FILE}="{state_dir / "authkey"}"')
     security = ["--insecure"] if insecure else ["--root-certificates", str(root_certificates)]
-    return [venv_bin("flower-supernode"), *security, "--superlink", superlink, "--port", str(free_port()), "--node-config", node_config]
+    auth = ["--auth-supernode-private-key", str(auth_key)] if auth_key is not None else []
+    return [venv_bin("flower-supernode"), *security, *auth, "--superlink", superlink, "--port", str(free_port()),
+            "--node-config", node_config]
+
+
+def exit_explanation(name: str, code: int | None, log_path: Path, auth_key: Path | None) -> str:
+    """Why one of the node's processes ended, in words an admin can act on (read from the end of its log)."""
+    try:
+        with open(log_path, "rb") as log:
+            log.seek(max(0, log_path.stat().st_size - 20_000))
+            tail = log.read().decode(errors="replace")
+    except OSError:
+        tail = ""
+    if name == "supernode" and auth_key is not None and any(marker in tail for marker in REFUSED_MARKERS):
+        return (f"the SuperLink refused this datacenter's key {auth_key} (not enrolled, suspended or revoked; "
+                f"see `crossdc enroll`); supernode exited (code {code})")
+    if name == "supernode" and auth_key is not None and code == 0:
+        return ("the SuperNode stopped on its own: the SuperLink no longer accepts this datacenter's key "
+                "(suspended or revoked?)")
+    return f"{name} exited (code {code})"
 
 
 def run_node(superlink: str, datacenter: str, state_dir: Path, root_certificates: Path | None, insecure: bool,
-             max_runs: int = 2, ready_timeout_s: float = 60.0) -> None:
-    """Start the node service and the SuperNode; return on Ctrl-C, raise NodeFailed if either exits."""
+             max_runs: int = 2, ready_timeout_s: float = 60.0, auth_key: Path | None = None) -> None:
+    """Start the node service and the SuperNode; return on Ctrl-C, raise NodeFailed if either exits (a SuperNode
+    whose key the SuperLink refuses or stops accepting, after a revocation, exits)."""
     state_dir.mkdir(parents=True, exist_ok=True)
     node_authkey(state_dir)
     env = node_env(state_dir)
@@ -51,12 +76,13 @@ def run_node(superlink: str, datacenter: str, state_dir: Path, root_certificates
             if service.process.poll() is not None or time.monotonic() > deadline:
                 raise NodeFailed(f"the node service did not start; see {service.log_path}")
             time.sleep(0.1)
-        processes.start("supernode", supernode_command(superlink, datacenter, state_dir, root_certificates, insecure),
+        processes.start("supernode", supernode_command(superlink, datacenter, state_dir, root_certificates, insecure, auth_key),
                         logs / "supernode.log", env=env)
         while True:
             for managed in processes.processes:
                 if managed.process.poll() is not None:
-                    raise NodeFailed(f"{managed.name} exited (code {managed.process.returncode}); see {managed.log_path}")
+                    why = exit_explanation(managed.name, managed.process.returncode, managed.log_path, auth_key)
+                    raise NodeFailed(f"{why}; see {managed.log_path}")
             time.sleep(0.5)
     except KeyboardInterrupt:
         pass

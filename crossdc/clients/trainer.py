@@ -72,6 +72,7 @@ class DatacenterTrainer:
         started = time.perf_counter()
         self._start_group()
         self.group_start_s = time.perf_counter() - started
+        self.attempt = self._stored_attempt()  # the newest attempt at the run served here (crossdc resume starts another)
         log.info("%s: worker group of %d started in %.2fs", datacenter, self.world, self.group_start_s)
 
     def _start_group(self) -> None:
@@ -119,6 +120,26 @@ class DatacenterTrainer:
     def close(self) -> None:
         self._stop_group(graceful=True)
 
+    def _rewind(self, to_round: int) -> None:
+        """Make the state after `to_round` current again (the store's kept versions, every key) and, if anything
+        changed, restart the worker group on it, so the ranks' optimizer and data position are those of that round."""
+        changed = self.store.rewind(to_round)
+        if changed:
+            log.info("%s: resumed run: local state rewound to round %d (%s)", self.datacenter, to_round, changed)
+            self._stop_group(graceful=True)
+            self._start_group()
+
+    def _stored_attempt(self) -> int:
+        """The newest attempt at the run this datacenter served (kept beside its state: a restarted trainer knows)."""
+        try:
+            return int((self.store.directory / ATTEMPT_FILE).read_text().strip())
+        except (OSError, ValueError):
+            return 0
+
+    def _set_attempt(self, attempt: int) -> None:
+        self.attempt = attempt
+        (self.store.directory / ATTEMPT_FILE).write_text(str(attempt))
+
     def worker_pids(self) -> list[int]:
         return [os.getpid(), *(w.pid for w in self.workers)]
 
@@ -135,8 +156,20 @@ class DatacenterTrainer:
         if request.get("run_id") != self.run_id:
             return {"ok": False, "error": f"trainer serves run {self.run_id}, request is for run {request.get('run_id')}"}
         server_round, tau = int(request["round"]), int(request["tau"])
+        attempt = int(request.get("attempt", 1))
+        if attempt > self.attempt:  # a resumed run: continue from the state of the checkpoint it resumed from
+            if "resume_round" in request:
+                try:
+                    self._rewind(int(request["resume_round"]))
+                except Exception as err:  # nothing is marked done: the next message of this attempt tries again
+                    return {"ok": False, "error": f"{self.datacenter}: cannot rewind to the checkpoint: {err}".splitlines()[0]}
+            self._set_attempt(attempt)
+        elif attempt < self.attempt:
+            return {"ok": False, "error": f"a message of attempt {attempt} at the run; attempt {self.attempt} is running"}
         if server_round <= self.last_round:  # a stale message (e.g. delivered after its round closed)
             return {"ok": False, "error": f"round {server_round} is not newer than round {self.last_round}, already trained here"}
+        if "checkpoint_round" in request:  # keep the local state a rewind to the server's newest checkpoint needs
+            self.store.keep_from = int(request["checkpoint_round"])
         dead = [w.pid for w in self.workers if w.poll() is not None]
         pids = self.worker_pids()
         try:
@@ -164,6 +197,10 @@ class DatacenterTrainer:
         self.last_round = server_round
         answer["metrics"].update({"trainer-pid": os.getpid(), "workers": self.world, "worker-pids": pids})
         return {"ok": True, **answer}
+
+
+#: a file beside the datacenter's state (not a state key: a rewind never moves it back)
+ATTEMPT_FILE = "attempt"
 
 
 def serve(run_dir: RunDir, datacenter: str) -> None:

@@ -32,16 +32,17 @@ __all__ = ["GROUP_TIMEOUT", "TRAINER_STATE_KEY", "backend", "build_rank", "follo
 
 
 def build_rank(run_dir: RunDir, datacenter: str, rank: int, world: int) -> tuple[LocalTrainer, DatacenterStateStore, int, Strategy]:
-    """This rank's local trainer, restored from the datacenter's state store, and the run's strategy (its datacenter
-    half); (trainer, store, last round, strategy)."""
+    """This rank's local trainer (at the datacenter's configured ``speed``), restored from the datacenter's state
+    store, and the run's strategy (its datacenter half); (trainer, store, last round, strategy)."""
     settings = run_dir.settings()
     config = parse_config(settings["config"])
     strategy = build_strategy(config)
     workload = build_workload(config)
     w = config.workload
+    speed = next(dc.speed for dc in config.datacenters if dc.name == datacenter)
     trainer = LocalTrainer(workload, workload.shard(datacenter), w.batch_size, w.optimizer, w.lr,
                            datacenter_seed(config, datacenter), rank=rank, world=world,
-                           device=local_placement(rank, world).device, precision=w.precision)
+                           device=local_placement(rank, world).device, precision=w.precision, speed=speed)
     store = DatacenterStateStore(run_dir.state_root, settings["run_id"], datacenter)
     last_round = 0
     stored = store.load(TRAINER_STATE_KEY)

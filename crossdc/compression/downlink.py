@@ -70,9 +70,10 @@ class DownlinkSender:
                 DOWNLINK: "delta", DOWNLINK_BASE: self.version - 1, DOWNLINK_VERSION: self.version}
         return dict(encode_tensors(self.reference)), {DOWNLINK: "full", DOWNLINK_VERSION: self.version}
 
-    def acknowledge(self, datacenter: str) -> None:
-        """`datacenter` replied acceptably to this round: it holds the current reference."""
-        self.acknowledged[datacenter] = self.version
+    def acknowledge(self, datacenter: str, version: int | None = None) -> None:
+        """`datacenter` replied acceptably to this round: it holds the current reference (or reference `version`,
+        the one it was sent, when the reference has moved on since: the asynchronous loop)."""
+        self.acknowledged[datacenter] = self.version if version is None else version
 
     def state_dict(self) -> dict[str, Any]:
         return {"reference": self.reference, "version": self.version, "acknowledged": dict(self.acknowledged),

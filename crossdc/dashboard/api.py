@@ -198,6 +198,7 @@ class DatacenterInfo(BaseModel):
     last_seen_age_s: float | None = Field(description="Seconds since last_seen, at the time of the request.")
     link_bandwidth_mbps: float | None
     link_rtt_ms: float | None
+    node_id: str | None = Field(description="The SuperLink's node id of the enrolled key (None: not registered).")
 
 
 class PluginParameter(BaseModel):

@@ -1,7 +1,8 @@
 """The FastAPI app of `crossdc serve`: the JSON API (`/api/...`, `/metrics`) and the dashboard pages.
 
-`create_app(db_url)` promises an app that reads (never writes) the SQL run log at `db_url`
-(SQLite or PostgreSQL), serves its OpenAPI schema at `/openapi.json` and an interactive reference
+`create_app(db_url)` promises an app that reads the SQL run log at `db_url` (SQLite or PostgreSQL)
+and writes only what its authenticated write endpoints own (enrollment, the audit log; see
+:mod:`crossdc.dashboard.enrollment`), serves its OpenAPI schema at `/openapi.json` and an interactive reference
 at `/docs` (Swagger UI served from this machine: no CDN is needed), answers unknown ids of the
 API with 404 and bad query parameters with 422, both as JSON (the HTML pages answer with HTML
 error pages).
@@ -12,27 +13,37 @@ from __future__ import annotations
 from pathlib import Path
 
 import swagger_ui_bundle
-from fastapi import FastAPI
+from fastapi import Depends, FastAPI
 from fastapi.openapi.docs import get_swagger_ui_html
 from fastapi.responses import HTMLResponse
 from fastapi.staticfiles import StaticFiles
 from sqlalchemy import Engine
 
 from crossdc.db.engine import make_engine, resolve_database_url
+from crossdc.platform.superlink_control import SuperLinkControl
 
 STATIC_DIR = Path(__file__).parent / "static"
 
 
-def create_app(db_url: str | None = None, *, engine: Engine | None = None) -> FastAPI:
-    """The API + dashboard app over the run log at `db_url` (resolved as the CLI does), or over `engine`."""
-    from crossdc.dashboard import api, pages
+def create_app(db_url: str | None = None, *, engine: Engine | None = None, lock_reads: bool = False,
+               superlink_control: SuperLinkControl | None = None) -> FastAPI:
+    """The API + dashboard app over the run log at `db_url` (resolved as the CLI does), or over `engine`.
+
+    `lock_reads`: every read (API, /metrics, pages) needs a token too. `superlink_control`: the SuperLink that
+    enrollments register keys with (without it, enrollment answers 503).
+    """
+    from crossdc.dashboard import api, enrollment, pages
+    from crossdc.dashboard.auth import read_access
 
     app = FastAPI(title="crossdc", description="Runs, rounds and datacenters of crossdc's SQL run log.", version="1",
                   docs_url=None, redoc_url=None)
     app.state.engine = engine if engine is not None else make_engine(resolve_database_url(db_url))
+    app.state.lock_reads = lock_reads
+    app.state.superlink_control = superlink_control
     api.install_error_handlers(app)
-    app.include_router(api.router)
-    app.include_router(pages.router)
+    app.include_router(api.router, dependencies=[Depends(read_access)])
+    app.include_router(enrollment.router)
+    app.include_router(pages.router, dependencies=[Depends(read_access)])
     app.mount("/static/swagger-ui", StaticFiles(directory=swagger_ui_bundle.swagger_ui_path), name="swagger-ui")
     app.mount("/static", StaticFiles(directory=STATIC_DIR), name="static")
 

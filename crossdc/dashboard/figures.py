@@ -54,6 +54,7 @@ FIGURE_IDS: dict[str, str] = {
     "comm_comp_ratio": "fig-comm-comp",
     "drift_per_datacenter": "fig-drift",
     "staleness_histogram": "fig-staleness",
+    "staleness_over_time": "fig-staleness-time",
     "tau_schedule": "fig-tau",
     "compare_round": "fig-compare-round",
     "compare_bytes": "fig-compare-bytes",
@@ -545,6 +546,39 @@ def staleness_histogram(async_updates: Sequence[Row]) -> go.Figure:
     return fig
 
 
+def staleness_over_time(async_updates: Sequence[Row], max_points: int = MAX_POINTS) -> go.Figure:
+    """Per datacenter, how stale its updates were as the run went on: staleness against ``applied_version``.
+
+    Takes ``async_updates`` rows (``datacenter``, ``applied_version``, ``staleness``, ``status``), in any order.
+    One marker trace per datacenter named after it (its applied updates), and one named "<datacenter>
+    discarded" (✕ markers, same colour) when it had discarded ones; rows without a version or a staleness are
+    left out. An empty list gives a figure that says "no async updates".
+    """
+    groups: dict[str, dict[str, list[Row]]] = {}
+    for row in async_updates:
+        if row.get("applied_version") is None or row.get("staleness") is None:
+            continue
+        status = "discarded" if row.get("status") == "discarded" else "applied"
+        groups.setdefault(str(row["datacenter"]), {}).setdefault(status, []).append(row)
+    fig = _figure("Staleness per datacenter over time", "global version (applied at)", "staleness (versions behind)")
+    for i, name in enumerate(sorted(groups)):
+        color = _COLORWAY[i % len(_COLORWAY)]
+        for status in ("applied", "discarded"):
+            rows = sorted(groups[name].get(status, []), key=lambda r: r["applied_version"])
+            px, py = _points([r["applied_version"] for r in rows], [r["staleness"] for r in rows], max_points)
+            if not len(px):
+                continue
+            label = name if status == "applied" else f"{name} discarded"
+            fig.add_trace(go.Scatter(
+                x=px, y=py, name=label, mode="markers",
+                marker=dict(color=color, symbol="circle" if status == "applied" else "x", size=6),
+                hovertemplate=f"{label}<br>version %{{x}}<br>staleness %{{y}}<extra></extra>",
+            ))
+    if not fig.data:
+        _note(fig, "no async updates")
+    return fig
+
+
 # -------------------------------------------------------------- compare
 
 
@@ -605,6 +639,7 @@ __all__ = [
     "loss_vs_round",
     "loss_vs_wall_time",
     "staleness_histogram",
+    "staleness_over_time",
     "summarize_datacenters",
     "tau_schedule",
     "time_breakdown",

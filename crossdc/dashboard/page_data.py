@@ -88,6 +88,8 @@ class RunPageData:
     async_total: int
     version: str
     totals: dict[str, Any] = field(default_factory=dict)
+    #: the async updates' (seq, datacenter, applied_version, staleness, status), thinned to every k-th (by seq)
+    staleness_series: list[dict[str, Any]] = field(default_factory=list)
 
 
 def run_version(conn: Connection, run_id: str, now: datetime) -> tuple[str, bool] | None:
@@ -271,6 +273,23 @@ def _datacenter_sample(
     return rows, stride
 
 
+_STALENESS_COLUMNS = ("seq", "datacenter", "applied_version", "staleness", "status")
+
+
+def _staleness_series(conn: Connection, run_id: str, total: int) -> list[dict[str, Any]]:
+    """The run's async updates for the staleness-over-time chart, read in SQL thinned to every k-th sequence number
+    so that at most about DATACENTER_POINT_BUDGET rows are read, by sequence number."""
+    if total <= 0:
+        return []
+    au = ASYNC_UPDATES
+    where = [au.c.run_id == run_id]
+    stride = math.ceil(total / DATACENTER_POINT_BUDGET)
+    if stride > 1:
+        where.append(au.c.seq % stride == 0)
+    stmt = select(*(au.c[c] for c in _STALENESS_COLUMNS)).where(*where).order_by(au.c.seq)
+    return _dicts(conn, stmt, _STALENESS_COLUMNS)
+
+
 def _run_rounds(conn: Connection, run_id: str) -> list[dict[str, Any]]:
     """The run's ``rounds`` rows (the columns the charts need), by round."""
     stmt = select(*(ROUNDS.c[c] for c in _ROUND_COLUMNS)).where(ROUNDS.c.run_id == run_id).order_by(ROUNDS.c.round)
@@ -341,10 +360,12 @@ def load_run_page(
     totals.update(val_round=latest["round"] if latest else None,
                   val_loss=finite(latest["val_loss"]) if latest else None,
                   val_accuracy=finite(latest["val_accuracy"]) if latest else None)
+    async_total = sum(int(r["count"]) for r in staleness)
     return RunPageData(
         run=run, rounds=rounds, dc_sample=sample, dc_summary=datacenter_summary(aggregates, sample), dc_stride=stride,
         events=events, events_total=events_total, staleness_counts=staleness,
-        async_total=sum(int(r["count"]) for r in staleness), version=version[0], totals=totals,
+        async_total=async_total, version=version[0], totals=totals,
+        staleness_series=_staleness_series(conn, run_id, async_total),
     )
 
 

@@ -208,6 +208,7 @@ def run_figures(data: RunPageData) -> dict[str, go.Figure]:
         FIGURE_IDS["comm_comp_ratio"]: figures.comm_comp_ratio(data.dc_summary),
         FIGURE_IDS["drift_per_datacenter"]: figures.drift_per_datacenter(data.dc_sample),
         FIGURE_IDS["staleness_histogram"]: figures.staleness_histogram(data.staleness_counts),
+        FIGURE_IDS["staleness_over_time"]: figures.staleness_over_time(data.staleness_series),
         FIGURE_IDS["tau_schedule"]: figures.tau_schedule(rounds),
     }
 

@@ -29,6 +29,7 @@ from typing import Any, NamedTuple
 from sqlalchemy import ColumnElement, Connection, DateTime, Float, Table, and_, false, func, inspect, or_, select, text, true
 
 from crossdc.db.models import ASYNC_UPDATES, DATACENTER_ROUNDS, DATACENTERS, EVENTS, ROUNDS, RUNS
+from crossdc.db.queries import as_utc
 
 #: A ``running`` run is ``interrupted`` once its heartbeat is older than max(this, ...) seconds.
 STALE_AFTER_MIN_S = 300.0
@@ -57,6 +58,7 @@ ASYNC_UPDATE_FIELDS: tuple[str, ...] = (
 )
 DATACENTER_FIELDS: tuple[str, ...] = (
     "name", "region", "gpus", "public_key", "status", "enrolled_at", "last_seen", "link_bandwidth_mbps", "link_rtt_ms",
+    "node_id",
 )
 _RUN_SUMMARY_COLUMNS = (
     "id", "name", "strategy", "status", "baseline", "started_at", "finished_at", "last_heartbeat", "rounds_planned", "error",
@@ -69,13 +71,6 @@ _RUN_SUMMARY_COLUMNS = (
 def utcnow() -> datetime:
     """Now, timezone-aware UTC."""
     return datetime.now(timezone.utc)
-
-
-def as_utc(value: Any) -> Any:
-    """A datetime as aware UTC (SQLite hands back naive UTC); anything else unchanged."""
-    if isinstance(value, datetime):
-        return value.replace(tzinfo=timezone.utc) if value.tzinfo is None else value.astimezone(timezone.utc)
-    return value
 
 
 def finite_or_none(value: Any) -> Any:

@@ -51,6 +51,8 @@ BASELINES: tuple[str, ...] = ("none", "all-workers", "sequential")
 DATACENTER_ROUND_STATUSES: tuple[str, ...] = ("ok", "failed", "timeout", "rejected")
 ASYNC_UPDATE_STATUSES: tuple[str, ...] = ("applied", "discarded")
 DATACENTER_STATUSES: tuple[str, ...] = ("active", "suspended", "revoked")
+TOKEN_ROLES: tuple[str, ...] = ("admin", "enrollment", "read")
+AUDIT_OUTCOMES: tuple[str, ...] = ("ok", "refused", "failed")
 
 # Deterministic constraint names: Alembic (and SQLite batch mode) need them.
 NAMING_CONVENTION = {
@@ -206,6 +208,43 @@ class Datacenter(Base):
     last_seen: Mapped[datetime | None] = mapped_column(DateTime(timezone=True))
     link_bandwidth_mbps: Mapped[float | None] = mapped_column(Float)
     link_rtt_ms: Mapped[float | None] = mapped_column(Float)
+    # Flower's node id of the enrolled key at the SuperLink (unsigned 64-bit: text); None when not registered
+    node_id: Mapped[str | None] = mapped_column(String(20))
+
+
+class ApiToken(Base):
+    """A bearer token of the API. Only its SHA-256 is stored; the token itself is shown once, at creation."""
+
+    __tablename__ = "api_tokens"
+    __table_args__ = (
+        UniqueConstraint("name"),
+        UniqueConstraint("token_hash"),
+        CheckConstraint(_in("role", TOKEN_ROLES), name="role"),
+    )
+
+    id: Mapped[int] = mapped_column(Integer, primary_key=True, autoincrement=True)
+    name: Mapped[str] = mapped_column(String(128))
+    role: Mapped[str] = mapped_column(String(16))
+    token_hash: Mapped[str] = mapped_column(String(64))
+    created_at: Mapped[datetime] = mapped_column(DateTime(timezone=True))
+    revoked_at: Mapped[datetime | None] = mapped_column(DateTime(timezone=True))
+    last_used_at: Mapped[datetime | None] = mapped_column(DateTime(timezone=True))
+
+
+class AuditEntry(Base):
+    """One security-relevant act: an enrollment, a suspension or revocation, a token made, a refused attempt."""
+
+    __tablename__ = "audit_log"
+    __table_args__ = (CheckConstraint(_in("outcome", AUDIT_OUTCOMES), name="outcome"),)
+
+    id: Mapped[int] = mapped_column(_BigId, primary_key=True, autoincrement=True)
+    at: Mapped[datetime] = mapped_column(DateTime(timezone=True), index=True)
+    action: Mapped[str] = mapped_column(String(64))
+    outcome: Mapped[str] = mapped_column(String(16))
+    actor: Mapped[str | None] = mapped_column(String(128))  # the token's name (never the token), or None
+    target: Mapped[str | None] = mapped_column(String(128))  # e.g. the datacenter's name
+    client: Mapped[str | None] = mapped_column(String(128))  # the caller's address
+    detail: Mapped[Any | None] = mapped_column(JSON)
 
 
 class Checkpoint(Base):
@@ -223,10 +262,14 @@ metadata = Base.metadata
 
 __all__ = [
     "ASYNC_UPDATE_STATUSES",
+    "AUDIT_OUTCOMES",
+    "ApiToken",
+    "AuditEntry",
     "BASELINES",
     "DATACENTER_ROUND_STATUSES",
     "DATACENTER_STATUSES",
     "RUN_STATUSES",
+    "TOKEN_ROLES",
     "AsyncUpdate",
     "Base",
     "Checkpoint",
@@ -247,3 +290,5 @@ EVENTS: Table = Event.__table__  # type: ignore[assignment]
 DATACENTERS: Table = Datacenter.__table__  # type: ignore[assignment]
 CHECKPOINTS: Table = Checkpoint.__table__  # type: ignore[assignment]
 ASYNC_UPDATES: Table = AsyncUpdate.__table__  # type: ignore[assignment]
+API_TOKENS: Table = ApiToken.__table__  # type: ignore[assignment]
+AUDIT_LOG: Table = AuditEntry.__table__  # type: ignore[assignment]

@@ -27,7 +27,8 @@ Bind = Engine | Connection | Session
 
 
 
-def _utc(value: Any) -> Any:
+def as_utc(value: Any) -> Any:
+    """A datetime as aware UTC (SQLite hands back naive UTC); anything else unchanged."""
     if isinstance(value, datetime):
         return value.replace(tzinfo=timezone.utc) if value.tzinfo is None else value.astimezone(timezone.utc)
     return value
@@ -39,7 +40,7 @@ def _rows(bind: Bind, stmt: Executable) -> list[dict[str, Any]]:
             result = conn.execute(stmt).mappings().all()
     else:
         result = bind.execute(stmt).mappings().all()
-    return [{k: _utc(v) for k, v in row.items()} for row in result]
+    return [{k: as_utc(v) for k, v in row.items()} for row in result]
 
 
 def _ordered(table: Table, run_id: str | None, order: Iterable[Any]) -> Any:

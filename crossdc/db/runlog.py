@@ -44,7 +44,7 @@ from collections.abc import Callable, Mapping
 from datetime import datetime, timezone
 from typing import Any
 
-from sqlalchemy import Connection, Table, and_, exc, insert, select, update
+from sqlalchemy import Connection, Table, and_, delete, exc, insert, select, update
 from sqlalchemy.dialects import postgresql, sqlite
 
 from crossdc.db.engine import make_engine, safe_url
@@ -239,6 +239,11 @@ def _op_async_update(conn: Connection, v: dict[str, Any]) -> None:
     _upsert(conn, _ASYNC, v, ("run_id", "seq"))
 
 
+def _op_forget_rounds_after(conn: Connection, v: dict[str, Any]) -> None:
+    for table in (_ROUNDS, _DC_ROUNDS, _CHECKPOINTS):
+        conn.execute(delete(table).where(table.c.run_id == v["run_id"], table.c.round > v["round"]))
+
+
 def _op_checkpoint(conn: Connection, v: dict[str, Any]) -> None:
     _upsert(conn, _CHECKPOINTS, v, ("run_id", "round"))
 
@@ -399,6 +404,12 @@ class RunLog:
     def resume_run(self, *, run_id: str) -> None:
         """Mark an existing run ``running`` again (clears ``finished_at`` and ``error``)."""
         self._put("resume_run", _op_resume_run, {"run_id": _text("run_id", run_id), "at": utcnow()})
+
+    def forget_rounds_after(self, *, run_id: str, round: int) -> None:  # noqa: A002
+        """Delete the run's ``rounds``, ``datacenter_rounds`` and ``checkpoints`` rows after ``round``: a run resumed
+        from the checkpoint of ``round`` trains them again, and each round is in the log once."""
+        self._put("forget_rounds_after", _op_forget_rounds_after,
+                  {"run_id": _text("run_id", run_id), "round": _int("round", round, nullable=False, minimum=0)})
 
     def add_flower_run_id(self, *, run_id: str, flower_run_id: int) -> None:
         """Append a Flower run id (unsigned 64-bit) to the run's ``flower_run_ids`` (stored as text)."""

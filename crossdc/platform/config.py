@@ -21,6 +21,8 @@ from pathlib import Path
 from typing import Any
 
 from crossdc.platform.links import LINK_PROFILES, LinkSpec
+from crossdc.platform.deadline import DeadlinePolicy
+from crossdc.strategies.robust import DEFAULT_TRIM_FRACTION, ROBUST_AGGREGATIONS
 
 
 class ConfigError(ValueError):
@@ -48,6 +50,8 @@ class RunSection:
     eval_every: int = 1
     min_replies: int = 0
     round_timeout_s: float = 3600.0
+    #: adaptive round deadline (`run.deadline`); None: the fixed `round_timeout_s`
+    deadline: DeadlinePolicy | None = None
 
 
 @dataclass(frozen=True)
@@ -82,6 +86,8 @@ class DatacenterSection:
     name: str
     workers: int = 1
     link: LinkSpec | None = None
+    #: relative compute speed in (0, 1]: the datacenter's trainer takes 1/speed times as long per local step
+    #: (emulated: it sleeps (1/speed − 1) × each measured step; see crossdc.clients.local_training.LocalTrainer)
     speed: float = 1.0
     region: str | None = None
 
@@ -98,6 +104,33 @@ class LinkFault:
 
 
 @dataclass(frozen=True)
+class SecuritySection:
+    """The server's defences against bad updates beyond the per-reply checks (see crossdc.platform.update_gate).
+
+    `robust_aggregation`: how the strategy combines the accepted updates ("none": example-weighted mean,
+    "median", "trimmed_mean" cutting `trim_fraction` at each end; crossdc.strategies.robust);
+    `norm_rejection_factor`: 0 = off, else reject an update whose norm exceeds this × the median norm of the
+    round's other accepted updates; `max_update_mb`: the largest reply payload in MB (10^6 bytes), None = derived
+    from the model (update_gate.update_size_limit).
+    """
+
+    robust_aggregation: str = "none"
+    trim_fraction: float = DEFAULT_TRIM_FRACTION
+    norm_rejection_factor: float = 0.0
+    max_update_mb: float | None = None
+
+
+@dataclass(frozen=True)
+class CheckpointSection:
+    """Server checkpoints (crossdc.platform.checkpoints): after every `every_rounds` rounds (0 = never) and after
+    the last, under `dir`/<run id> (a directory or any fsspec URL), keeping the newest `keep` (0 = all)."""
+
+    every_rounds: int = 0
+    dir: str = "checkpoints/"
+    keep: int = 3
+
+
+@dataclass(frozen=True)
 class ExperimentConfig:
     """A whole experiment, validated. `raw` keeps the parsed TOML for the run log."""
 
@@ -107,6 +140,8 @@ class ExperimentConfig:
     datacenters: tuple[DatacenterSection, ...]
     link_faults: tuple[LinkFault, ...] = ()
     compression: CompressionSection = field(default_factory=CompressionSection)
+    security: SecuritySection = field(default_factory=SecuritySection)
+    checkpoint: CheckpointSection = field(default_factory=CheckpointSection)
     raw: dict[str, Any] = field(default_factory=dict, compare=False)
 
     @property
@@ -121,10 +156,8 @@ class ExperimentConfig:
 # work. Setting them to anything but their neutral value fails loudly.
 _NOT_YET: dict[str, dict[str, Any]] = {
     "compression": {},
-    "checkpoint": {"every_rounds": 0, "dir": "checkpoints/", "keep": 3},
-    "security": {"robust_aggregation": "none", "norm_rejection_factor": 0},
 }
-_NOT_YET_RUN_KEYS = {"deadline"}
+_NOT_YET_RUN_KEYS: set[str] = set()
 
 
 def _check_keys(table: dict[str, Any], allowed: set[str], where: str) -> None:
@@ -177,7 +210,7 @@ def _positive(value: float, key: str, allow_zero: bool = False) -> None:
 
 def _parse_run(doc: dict[str, Any]) -> RunSection:
     t = _table(doc, "run", required=True)
-    _check_keys(t, {"name", "rounds", "seed", "eval_every", "min_replies", "round_timeout_s"} | _NOT_YET_RUN_KEYS, "run.")
+    _check_keys(t, {"name", "rounds", "seed", "eval_every", "min_replies", "round_timeout_s", "deadline"} | _NOT_YET_RUN_KEYS, "run.")
     for key in _NOT_YET_RUN_KEYS & set(t):
         raise ConfigError(f"'run.{key}' is not implemented yet")
     name = _typed(t, "name", str, "run.", "crossdc-run")
@@ -190,7 +223,31 @@ def _parse_run(doc: dict[str, Any]) -> RunSection:
     _positive(min_replies, "run.min_replies", allow_zero=True)
     timeout = _typed(t, "round_timeout_s", float, "run.", 3600.0)
     _positive(timeout, "run.round_timeout_s")
-    return RunSection(name=name, rounds=rounds, seed=seed, eval_every=eval_every, min_replies=min_replies, round_timeout_s=timeout)
+    deadline = _parse_deadline(t["deadline"]) if "deadline" in t else None
+    if deadline is not None and "round_timeout_s" in t:
+        raise ConfigError("give 'run.deadline' (adaptive) or 'run.round_timeout_s' (fixed), not both")
+    return RunSection(name=name, rounds=rounds, seed=seed, eval_every=eval_every, min_replies=min_replies,
+                      round_timeout_s=deadline.ceiling_s if deadline else timeout, deadline=deadline)
+
+
+def _parse_deadline(value: Any) -> DeadlinePolicy:
+    if not isinstance(value, dict):
+        raise ConfigError("'run.deadline' must be a table: { floor_s = 30, ceiling_s = 3600, k_mad = 4 }")
+    _check_keys(value, {"floor_s", "ceiling_s", "k_mad", "window", "min_history"}, "run.deadline.")
+    floor = _typed(value, "floor_s", float, "run.deadline.", 30.0)
+    ceiling = _typed(value, "ceiling_s", float, "run.deadline.", 3600.0)
+    k_mad = _typed(value, "k_mad", float, "run.deadline.", 4.0)
+    window = _typed(value, "window", int, "run.deadline.", 20)
+    min_history = _typed(value, "min_history", int, "run.deadline.", 3)
+    _positive(floor, "run.deadline.floor_s")
+    _positive(k_mad, "run.deadline.k_mad", allow_zero=True)
+    _positive(window, "run.deadline.window")
+    _positive(min_history, "run.deadline.min_history")
+    if not (math.isfinite(ceiling) and ceiling >= floor):
+        raise ConfigError(f"'run.deadline.ceiling_s' must be ≥ floor_s ({floor:g}), got {ceiling!r}")
+    if min_history > window:
+        raise ConfigError(f"'run.deadline.min_history' ({min_history}) must be ≤ window ({window})")
+    return DeadlinePolicy(floor_s=floor, ceiling_s=ceiling, k_mad=k_mad, window=window, min_history=min_history)
 
 
 def _parse_workload(doc: dict[str, Any]) -> WorkloadSection:
@@ -291,8 +348,9 @@ def _parse_datacenters(doc: dict[str, Any]) -> tuple[DatacenterSection, ...]:
         _positive(workers, where + "workers")
         speed = _typed(t, "speed", float, where, 1.0)
         _positive(speed, where + "speed")
-        if speed != 1.0:
-            raise ConfigError(f"'{where}speed' is not implemented yet")
+        if speed > 1.0:
+            raise ConfigError(f"'{where}speed' must be ≤ 1 (compute can be slowed down to emulate an uneven "
+                              f"datacenter, not sped up), got {speed!r}")
         link = _parse_link(t.get("link"), where + "link")
         result.append(DatacenterSection(name=name, workers=workers, link=link, speed=speed, region=_typed(t, "region", str, where, None)))
     return tuple(result)
@@ -345,6 +403,44 @@ def _parse_compression(doc: dict[str, Any]) -> CompressionSection:
     return CompressionSection(_codec_list(t, "codecs"), _codec_list(t, "downlink_codecs"))
 
 
+def _parse_security(doc: dict[str, Any]) -> SecuritySection:
+    t = _table(doc, "security", required=False)
+    _check_keys(t, {"robust_aggregation", "trim_fraction", "norm_rejection_factor", "max_update_mb"}, "security.")
+    kind = _typed(t, "robust_aggregation", str, "security.", "none")
+    if kind not in ROBUST_AGGREGATIONS:
+        known = ", ".join(f'"{k}"' for k in ROBUST_AGGREGATIONS)
+        raise ConfigError(f"'security.robust_aggregation' must be one of {known}, got {kind!r}")
+    trim = _typed(t, "trim_fraction", float, "security.", DEFAULT_TRIM_FRACTION)
+    if not (math.isfinite(trim) and 0.0 <= trim < 0.5):
+        raise ConfigError(f"'security.trim_fraction' must be in [0, 0.5), got {trim!r}")
+    if "trim_fraction" in t and kind != "trimmed_mean":
+        raise ConfigError(f"'security.trim_fraction' only applies with robust_aggregation = \"trimmed_mean\", not {kind!r}")
+    factor = _typed(t, "norm_rejection_factor", float, "security.", 0.0)
+    _positive(factor, "security.norm_rejection_factor", allow_zero=True)
+    if 0.0 < factor <= 1.0:
+        raise ConfigError(f"'security.norm_rejection_factor' must be 0 (off) or > 1 (at most 1 would reject "
+                          f"ordinary updates), got {factor!r}")
+    max_mb = _typed(t, "max_update_mb", float, "security.", None)
+    if max_mb is not None:
+        _positive(max_mb, "security.max_update_mb")
+    return SecuritySection(robust_aggregation=kind, trim_fraction=trim, norm_rejection_factor=factor, max_update_mb=max_mb)
+
+
+def _parse_checkpoint(doc: dict[str, Any]) -> CheckpointSection:
+    t = _table(doc, "checkpoint", required=False)
+    _check_keys(t, {"every_rounds", "dir", "keep"}, "checkpoint.")
+    every = _typed(t, "every_rounds", int, "checkpoint.", 0)
+    keep = _typed(t, "keep", int, "checkpoint.", 3)
+    directory = _typed(t, "dir", str, "checkpoint.", "checkpoints/")
+    if every < 0:
+        raise ConfigError(f"'checkpoint.every_rounds' must be ≥ 0 (0 = no checkpoints), got {every}")
+    if keep < 0:
+        raise ConfigError(f"'checkpoint.keep' must be ≥ 0 (0 = keep all), got {keep}")
+    if not directory.strip():
+        raise ConfigError("'checkpoint.dir' must not be empty")
+    return CheckpointSection(every_rounds=every, dir=directory, keep=keep)
+
+
 def _parse_not_yet(doc: dict[str, Any]) -> None:
     for section, neutral in _NOT_YET.items():
         t = {k: v for k, v in _table(doc, section, required=False).items() if k not in _BUILT_KEYS.get(section, set())}
@@ -358,7 +454,7 @@ def parse_config(doc: dict[str, Any]) -> ExperimentConfig:
     """Validate a parsed TOML document and return the typed config."""
     if not isinstance(doc, dict):
         raise ConfigError("a config must be a TOML document of tables")
-    _check_keys(doc, {"run", "workload", "strategy", "datacenters", "link_faults", *_NOT_YET}, "")
+    _check_keys(doc, {"run", "workload", "strategy", "datacenters", "link_faults", "security", "checkpoint", *_NOT_YET}, "")
     _parse_not_yet(doc)
     run = _parse_run(doc)
     datacenters = _parse_datacenters(doc)
@@ -376,6 +472,8 @@ def parse_config(doc: dict[str, Any]) -> ExperimentConfig:
         datacenters=datacenters,
         link_faults=_parse_link_faults(doc, datacenters),
         compression=_parse_compression(doc),
+        security=_parse_security(doc),
+        checkpoint=_parse_checkpoint(doc),
         raw=doc,
     )
     return config

@@ -4,9 +4,10 @@ A fixed deadline either mistakes a slow WAN for a failure (too short) or waits f
 for a long time (too long). The adaptive deadline promises:
 
 - while a datacenter has fewer than `min_history` completed rounds, the round may take up to the ceiling;
-- afterwards the round waits until max over datacenters of (median + k · MAD) of their recent round
-  times (MAD scaled by 1.4826, so k is in standard deviations for normal noise), never less than the
-  floor and never more than the ceiling.
+- afterwards the round waits until max over datacenters of max(median + k · MAD, (1 + slack) · median)
+  of their recent round times (MAD scaled by 1.4826, so k is in standard deviations for normal noise; the
+  relative slack keeps a datacenter whose rounds were all alike from being dropped for a slightly slower
+  one), never less than the floor and never more than the ceiling.
 """
 
 from __future__ import annotations
@@ -27,6 +28,7 @@ class DeadlinePolicy:
     k_mad: float = 4.0
     window: int = 20
     min_history: int = 3
+    slack: float = 0.5
 
 
 def datacenter_deadline(round_times: Sequence[float], policy: DeadlinePolicy) -> float:
@@ -36,7 +38,7 @@ def datacenter_deadline(round_times: Sequence[float], policy: DeadlinePolicy) ->
         return policy.ceiling_s
     median = statistics.median(recent)
     mad = statistics.median(abs(t - median) for t in recent) * MAD_TO_SIGMA
-    return min(policy.ceiling_s, max(policy.floor_s, median + policy.k_mad * mad))
+    return min(policy.ceiling_s, max(policy.floor_s, median + policy.k_mad * mad, (1 + policy.slack) * median))
 
 
 def round_deadline(history: Mapping[str, Sequence[float]], datacenters: Sequence[str], policy: DeadlinePolicy) -> float:

@@ -56,6 +56,8 @@ def run_demo(config_path: Path, quick: bool, db: str | None, port: int, runs_dir
     links = sorted({dc.link.describe() if dc.link else "loopback (not emulated)" for dc in config.datacenters})
     console.print(f"database: {safe_url(db_url)}")
     console.print(f"WAN links, emulated by crossdc's link relay between each SuperNode and the SuperLink: {', '.join(links)}")
+    console.print("security: everything on loopback (127.0.0.1), plain HTTP, no TLS and no SuperNode authentication; "
+                  "a real federation enrolls its datacenters (see the README's Production section)")
     dashboard = start_dashboard(db_url, dashboard_port, console)
     if dashboard is not None:
         console.print(f"dashboard: [bold]{dashboard.url}/[/] (live while the demo runs)")

@@ -2,14 +2,21 @@
 
 Promises, per round: every datacenter gets the global weights and τ; the
 round closes when every datacenter has replied, or at the round's deadline
-(`run.round_timeout_s`) if at least `min_replies` (0 = all) have — the others
+(fixed `run.round_timeout_s`, or adaptive `run.deadline`: median + k·MAD of
+each datacenter's recent round times, within a floor and a ceiling; see
+crossdc.platform.deadline) if at least `min_replies` (0 = all) have — the others
 are recorded as timed out, with an event — and otherwise fails the run; every
-reply passes the update gate;
+reply passes the update gate (its size before decoding, then its tensors), and
+once all are judged the round's accepted updates pass the norm-outlier check
+(``security.norm_rejection_factor``); the
 accepted updates are aggregated by the strategy; the global model is
 evaluated on the one shared validation set; the round and one row per
 datacenter go to the run log. Replies are pulled as they arrive (polling every
 20–250 ms, faster while replies come in; no fixed
 3-second barrier): only messages still pending are polled.
+
+Asynchronous strategies (FedAsync, FedBuff) run :mod:`crossdc.platform.async_federation`'s loop instead, built
+on the same pieces (discovery, the update gate, the run log).
 """
 
 from __future__ import annotations
@@ -36,11 +43,15 @@ from crossdc.db.errors import DatabaseUnavailable
 from crossdc.db.runlog import RunLog
 from crossdc.platform.config import ExperimentConfig, parse_config
 from crossdc.platform.link_relay import LedgerReader, bytes_by_direction, payload_transfers, time_in_flight
+from crossdc.platform.deadline import round_deadline
 from crossdc.platform.experiment import build_strategy, build_workload, initial_model
 from crossdc.platform.rundir import RunDir
-from crossdc.platform.update_gate import rejection_reason
+from crossdc.platform.server_checkpoint import (SETTINGS_ATTEMPT, SETTINGS_RESUME, ResumeError, ServerCheckpointer,
+                                                loop_state, restore_rng)
+from crossdc.platform.update_gate import rejection_reason, size_rejection_reason, update_norm_outliers, update_size_limit
 from crossdc.strategies.aggregation import cosine, l2_norm
 from crossdc.strategies.base import ClientUpdate
+from crossdc.strategies.registry import strategy_class
 from crossdc.workloads import evaluate
 
 log = logging.getLogger("crossdc.federation")
@@ -64,6 +75,19 @@ class Reply:
     received_at: float
 
 
+def pull_replies(grid: Grid, pending: set[str]) -> dict[str, Reply]:
+    """One poll: the replies to the `pending` message ids that are in now, by message id (removed from `pending`)."""
+    replies: dict[str, Reply] = {}
+    if not pending:
+        return replies
+    for message in grid.pull_messages(list(pending)):
+        reply_to = message.metadata.reply_to_message_id
+        if reply_to in pending:
+            pending.discard(reply_to)
+            replies[reply_to] = Reply(message, time.time())
+    return replies
+
+
 def collect_replies(grid: Grid, message_ids: list[str], timeout_s: float) -> dict[str, Reply]:
     """Pull replies as they arrive until all are in or the timeout passes; returns what came, by message id."""
     pending = set(message_ids)
@@ -71,13 +95,8 @@ def collect_replies(grid: Grid, message_ids: list[str], timeout_s: float) -> dic
     deadline = time.monotonic() + timeout_s
     interval = POLL_INTERVAL_S
     while pending and time.monotonic() < deadline:
-        arrived = False
-        for message in grid.pull_messages(list(pending)):
-            reply_to = message.metadata.reply_to_message_id
-            if reply_to in pending:
-                pending.discard(reply_to)
-                replies[reply_to] = Reply(message, time.time())
-                arrived = True
+        arrived = pull_replies(grid, pending)
+        replies.update(arrived)
         # poll fast while replies come in, back off (to MAX_POLL_INTERVAL_S) while nothing does
         interval = POLL_INTERVAL_S if arrived else min(MAX_POLL_INTERVAL_S, interval * 1.5)
         if pending:
@@ -179,7 +198,13 @@ def run_federation(grid: Grid, run_dir: RunDir) -> dict[str, Any]:
     run_id: str = settings["run_id"]
     runlog = RunLog(settings["db_url"], max_outage_s=float(settings.get("db_max_outage_s", 300.0)))
     try:
-        summary = _run(grid, run_dir, run_id, parse_config(settings["config"]), runlog)
+        config = parse_config(settings["config"])
+        if getattr(strategy_class(config.strategy.name), "asynchronous", False):  # FedAsync, FedBuff: no rounds
+            from crossdc.platform.async_federation import run_async
+
+            summary = run_async(grid, run_dir, run_id, config, runlog)
+        else:
+            summary = _run(grid, run_dir, run_id, config, runlog)
         runlog.finish_run(run_id=run_id, status="finished", result=summary)
         runlog.flush(timeout=60)
         return summary
@@ -208,10 +233,20 @@ class Judged:
     worker_pids: tuple[int, ...] | None = None  # the datacenter's worker group, rank 0 first
     replied: bool = True  # False: nothing came from the datacenter (timeout, expired message)
 
+    def rejected(self, reason: str) -> "Judged":
+        """This accepted outcome rejected after all, by a check of the whole round (norm outliers): no update to
+        aggregate; the row keeps its measurements but not what only an aggregated update has (bytes_up_raw,
+        num_examples)."""
+        row = {key: value for key, value in self.row.items() if key not in ("bytes_up_raw", "num_examples")}
+        return Judged({**row, "status": "rejected", "reason": reason}, None, self.worker_pids, self.replied)
+
 
 def judge_reply(reply: Reply | None, weights: dict[str, np.ndarray], tau: int, batch_size: int, pushed_at: float,
-                timeout_reason: str, reply_groups: tuple[str, ...] = (), compressed: bool = False) -> Judged:
+                timeout_reason: str, reply_groups: tuple[str, ...] = (), compressed: bool = False,
+                max_bytes: int | None = None) -> Judged:
     """Pass one reply through the gate: a row with status ok, failed, timeout or rejected (with its reason).
+
+    A payload over `max_bytes` (None: no limit; see update_gate.update_size_limit) is rejected before decoding.
 
     Every tensor group the strategy needs (`reply_groups`, e.g. SCAFFOLD's ``control``) must be present and pass
     the same checks as the update (names, shapes, dtypes of the weights, finite values); a missing one rejects.
@@ -227,6 +262,8 @@ def judge_reply(reply: Reply | None, weights: dict[str, np.ndarray], tau: int, b
         return Judged({**row, "status": "failed", "reason": str(error.reason).splitlines()[0][:500]})
     content = reply.message.content
     row["bytes_up"] = payload_bytes(content)
+    if max_bytes is not None and (too_big := size_rejection_reason(row["bytes_up"], max_bytes)) is not None:
+        return Judged({**row, "status": "rejected", "reason": too_big})
     try:
         delta = decode_update(content, weights, compressed)
     except CodecError as err:
@@ -275,14 +312,44 @@ def _run(grid: Grid, run_dir: RunDir, run_id: str, config: ExperimentConfig, run
     links = {name: LedgerReader(run_dir.link_ledger(name)) for name in nodes}
     val_loss = val_accuracy = float("nan")
     needed = config.run.min_replies or len(nodes)
+    max_bytes = update_size_limit(raw_fp32_bytes(weights), len(strategy.reply_groups), config.security.max_update_mb)
     rounds_without_updates = 0
     # with downlink codecs the datacenters get the global model as compressed deltas of a shared reference
     downlink = DownlinkSender(config.compression.downlink_codecs, seed=config.run.seed) if config.compression.downlink_codecs else None
-    for server_round in range(1, config.run.rounds + 1):
+    settings = run_dir.settings()
+    attempt = int(settings.get(SETTINGS_ATTEMPT, 1))
+    checkpointer = ServerCheckpointer.from_settings(settings, config.checkpoint.every_rounds, config.checkpoint.keep,
+                                                    config.run.rounds)
+    policy = config.run.deadline
+    round_times: dict[str, list[float]] = {name: [] for name in nodes}  # per datacenter, its completed rounds' seconds
+    first_round = 1
+    if settings.get(SETTINGS_RESUME):
+        if checkpointer is None:
+            raise ResumeError("the run has no checkpoints ([checkpoint] every_rounds = 0): nothing to resume from")
+        info, state = checkpointer.load_latest(run_id)
+        first_round = int(state["round"]) + 1
+        weights = state["weights"]
+        strategy.load_state_dict(state["strategy"])
+        carried = state["carried"]
+        val_loss, val_accuracy, rounds_without_updates = carried["val_loss"], carried["val_accuracy"], carried["rounds_without_updates"]
+        totals = dict(carried["totals"])
+        if downlink is not None and carried.get("downlink") is not None:
+            downlink.load_state_dict(carried["downlink"])
+        round_times.update({name: list(times) for name, times in carried.get("round_times", {}).items() if name in round_times})
+        worker_pids.update({name: list(pids) for name, pids in carried["worker_pids"].items() if name in worker_pids})
+        restore_rng(state["rng"])
+        runlog.forget_rounds_after(run_id=run_id, round=first_round - 1)
+        runlog.log_event(run_id=run_id, kind="resumed", round=first_round - 1,
+                         detail={"checkpoint": info.uri, "attempt": attempt, "next_round": first_round})
+    for server_round in range(first_round, config.run.rounds + 1):
         round_started = time.perf_counter()
         if server_round > 1:
             rediscover(grid, nodes, seen_nodes, config, runlog, run_id, server_round)
         tau = strategy.tau(server_round)
+        if policy is None:
+            timeout_s, deadline_kind = config.run.round_timeout_s, "fixed run.round_timeout_s"
+        else:  # from how long each datacenter's recent rounds took; a datacenter seen too little gets the ceiling
+            timeout_s, deadline_kind = round_deadline(round_times, list(nodes), policy), "adaptive run.deadline"
         global_records = encode_tensors(weights) if downlink is None else {}
         for group, arrays in strategy.client_arrays(server_round, weights).items():
             global_records.update(encode_tensors(arrays, group))
@@ -291,7 +358,12 @@ def _run(grid: Grid, run_dir: RunDir, run_id: str, config: ExperimentConfig, run
         messages: dict[str, Message] = {}
         bytes_down: dict[str, int] = {}
         for name, node in nodes.items():
-            cfg = {wire.ROUND: server_round, wire.TAU: tau, wire.RUN_ID: run_id, wire.RUN_DIR: str(run_dir.path), wire.DATACENTER: name}
+            cfg = {wire.ROUND: server_round, wire.TAU: tau, wire.RUN_ID: run_id, wire.RUN_DIR: str(run_dir.path),
+                   wire.DATACENTER: name, wire.ATTEMPT: attempt}
+            if checkpointer is not None:  # the datacenter keeps the local state a rewind to this round may need
+                cfg[wire.CHECKPOINT_ROUND] = checkpointer.oldest_round
+            if attempt > 1:  # a resumed run: datacenters rewind to the checkpoint it continues from
+                cfg[wire.RESUME_ROUND] = first_round - 1
             cfg.update(strategy.client_config(server_round))
             model_records: dict[str, Any] = {}
             if downlink is not None:
@@ -300,18 +372,29 @@ def _run(grid: Grid, run_dir: RunDir, run_id: str, config: ExperimentConfig, run
             content = RecordDict({**model_records, **global_records, CONFIG_KEY: ConfigRecord(cfg)})
             # a message not delivered by the round's deadline expires: a datacenter that comes back late
             # gets the next round's model instead of training on a stale one
-            messages[name] = Message(content, dst_node_id=node, message_type=MessageType.TRAIN, ttl=config.run.round_timeout_s)
+            # (with the adaptive deadline: its ceiling, the longest this round may wait on for enough replies)
+            messages[name] = Message(content, dst_node_id=node, message_type=MessageType.TRAIN,
+                                     ttl=policy.ceiling_s if policy is not None else timeout_s)
             bytes_down[name] = payload_bytes(content)
         pushed_at = time.time()
         ids = list(grid.push_messages(list(messages.values())))
         id_of = dict(zip(messages, ids))
-        replies = collect_replies(grid, ids, config.run.round_timeout_s)
-        timeout_reason = f"no reply within the round's {config.run.round_timeout_s:g}s"
-        judged: dict[str, Judged] = {}
-        for name in nodes:
-            judged[name] = outcome = judge_reply(replies.get(id_of[name]), weights, tau, config.workload.batch_size,
-                                                 pushed_at, timeout_reason, strategy.reply_groups,
-                                                 compressed=bool(config.compression.codecs))
+        replies = collect_replies(grid, ids, timeout_s)
+        if policy is not None and len(replies) < needed and timeout_s < policy.ceiling_s:
+            # too few replies by the adaptive deadline: wait on, up to the ceiling, rather than fail the run
+            late = [i for i in ids if i not in replies]
+            replies.update(collect_replies(grid, late, policy.ceiling_s - timeout_s))
+            timeout_s = policy.ceiling_s
+        timeout_reason = f"no reply within the round's {timeout_s:g}s ({deadline_kind})"
+        judged = {name: judge_reply(replies.get(id_of[name]), weights, tau, config.workload.batch_size, pushed_at,
+                                    timeout_reason, strategy.reply_groups, compressed=bool(config.compression.codecs),
+                                    max_bytes=max_bytes)
+                  for name in nodes}
+        outliers = update_norm_outliers({name: j.update.delta for name, j in judged.items() if j.update is not None},
+                                        config.security.norm_rejection_factor)
+        for name, reason in outliers.items():
+            judged[name] = judged[name].rejected(reason)
+        for name, outcome in judged.items():
             outcome.row["bytes_down"] = bytes_down[name]
             if downlink is not None and outcome.row["status"] == "ok":
                 downlink.acknowledge(name)
@@ -355,6 +438,10 @@ def _run(grid: Grid, run_dir: RunDir, run_id: str, config: ExperimentConfig, run
                 row.update(_link_measurements(links[name], pushed_at, pushed_at + row["round_s"]))
             if row["status"] == "ok":
                 row["overhead_s"] = row["round_s"] - row["compute_s"] - (row["comm_s"] or 0.0)
+            if row["status"] == "ok":
+                round_times.setdefault(name, []).append(row["round_s"])
+            elif row["status"] == "timeout":  # a lower bound of its pace: a datacenter that slowed down is learnt too
+                round_times.setdefault(name, []).append(timeout_s)
             runlog.log_datacenter_round(run_id=run_id, round=server_round, datacenter=name, **row)
         round_bytes_up = sum(j.row.get("bytes_up", 0) for j in judged.values())
         round_bytes_down = sum(bytes_down.values())
@@ -370,7 +457,7 @@ def _run(grid: Grid, run_dir: RunDir, run_id: str, config: ExperimentConfig, run
         )
         runlog.heartbeat(run_id=run_id)
         if not enough_replies:
-            raise FederationError(f"round {server_round}: {replied} replies within {config.run.round_timeout_s:g}s, "
+            raise FederationError(f"round {server_round}: {replied} replies within {timeout_s:g}s, "
                                   f"{needed} needed (run.min_replies)")
         if rounds_without_updates >= MAX_ROUNDS_WITHOUT_UPDATES:
             raise FederationError(f"{rounds_without_updates} rounds in a row without one usable update; see the events")
@@ -382,6 +469,18 @@ def _run(grid: Grid, run_dir: RunDir, run_id: str, config: ExperimentConfig, run
             np.savez(path, **weights)
             log.error("database unavailable for too long: stopping after round %d; global weights saved to %s", server_round, path)
             raise
+        if checkpointer is not None and checkpointer.due(server_round):
+            try:  # a checkpoint only once the rounds it covers are in the run log (a resume never re-runs them)
+                runlog.flush(timeout=60)
+            except (TimeoutError, DatabaseUnavailable) as err:
+                log.warning("round %d: no checkpoint, the run log is not written yet (%s)", server_round, err)
+                continue
+            carried = {"val_loss": val_loss, "val_accuracy": val_accuracy, "rounds_without_updates": rounds_without_updates,
+                       "totals": dict(totals), "worker_pids": worker_pids, "round_times": round_times,
+                       "downlink": downlink.state_dict() if downlink is not None else None}
+            info = checkpointer.save(loop_state(run_id, server_round, weights, strategy.state_dict(), carried))
+            runlog.log_checkpoint(run_id=run_id, round=server_round, uri=info.uri)
+            runlog.log_event(run_id=run_id, kind="checkpoint", round=server_round, detail={"uri": info.uri, "bytes": info.size})
     np.savez(run_dir.final_weights, **weights)
     return {
         "run_id": run_id,

@@ -10,14 +10,16 @@ it through this front, which promises:
 - every other request (the Control API ``/v1/control/...``, ServerAppIo, any other path or method)
   is answered ``403`` with a JSON reason, never forwarded, and counted as refused;
 - TLS is terminated here when a certificate is given (``crossdc certs`` makes one), so SuperNodes use
-  ``--root-certificates ca.pem`` while the SuperLink itself stays plain HTTP on loopback or a private
-  network.
+  ``--root-certificates ca.pem``; the SuperLink behind it is plain HTTP on loopback, or HTTPS verified
+  against `upstream_ca` (needed with SuperNode authentication, which Flower allows only over TLS; the
+  SuperNodes' signed request headers pass through unchanged).
 """
 
 from __future__ import annotations
 
 import contextlib
 import logging
+import ssl
 from collections import Counter
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
@@ -54,10 +56,13 @@ def is_fleet_request(method: str, path: str) -> bool:
     return method == "POST" and path.startswith(FLEET_PREFIX) and ".." not in path and len(path) > len(FLEET_PREFIX)
 
 
-def create_front(upstream: str, stats: FrontStats | None = None, timeout_s: float = 120.0) -> Starlette:
-    """The front's ASGI app, forwarding Fleet API calls to the SuperLink at `upstream` (``http://host:port``)."""
+def create_front(upstream: str, stats: FrontStats | None = None, timeout_s: float = 120.0,
+                 upstream_ca: Path | None = None) -> Starlette:
+    """The front's ASGI app, forwarding Fleet API calls to the SuperLink at `upstream` (``http://host:port``, or
+    ``https://host:port`` whose certificate `upstream_ca` signed)."""
     stats = stats if stats is not None else FrontStats()
-    client = httpx.AsyncClient(base_url=upstream.rstrip("/"), timeout=timeout_s)
+    verify: ssl.SSLContext | bool = ssl.create_default_context(cafile=str(upstream_ca)) if upstream_ca else True
+    client = httpx.AsyncClient(base_url=upstream.rstrip("/"), timeout=timeout_s, verify=verify)
 
     async def handle(request: Request) -> Response:
         path = request.url.path
@@ -89,11 +94,11 @@ def create_front(upstream: str, stats: FrontStats | None = None, timeout_s: floa
 
 
 def front_config(upstream: str, host: str, port: int, certfile: Path | None, keyfile: Path | None,
-                 stats: FrontStats) -> uvicorn.Config:
+                 stats: FrontStats, upstream_ca: Path | None = None) -> uvicorn.Config:
     """uvicorn settings of a front (TLS when a certificate is given)."""
     if (certfile is None) != (keyfile is None):
         raise ValueError("give both the certificate and its key, or neither")
-    return uvicorn_config(create_front(upstream, stats), host, port,
+    return uvicorn_config(create_front(upstream, stats, upstream_ca=upstream_ca), host, port,
                           ssl_certfile=str(certfile) if certfile else None, ssl_keyfile=str(keyfile) if keyfile else None)
 
 
@@ -112,7 +117,9 @@ class RunningFront:
         self.server.stop()
 
 
-def start_front(upstream: str, host: str, port: int, certfile: Path | None = None, keyfile: Path | None = None) -> RunningFront:
+def start_front(upstream: str, host: str, port: int, certfile: Path | None = None, keyfile: Path | None = None,
+                upstream_ca: Path | None = None) -> RunningFront:
     """Start a front in a background thread; returns once it accepts connections."""
     stats = FrontStats()
-    return RunningFront(start_background(front_config(upstream, host, port, certfile, keyfile, stats), "fleet-front"), stats)
+    config = front_config(upstream, host, port, certfile, keyfile, stats, upstream_ca)
+    return RunningFront(start_background(config, "fleet-front"), stats)

@@ -5,7 +5,8 @@ Same code paths as a real run, minus the transport: each datacenter is a
 :class:`~crossdc.clients.state_store.DatacenterStateStore`, driven by
 :func:`~crossdc.clients.local_round.run_local_round` (exactly what the persistent trainer runs per round); the
 server side is the strategy's ``tau`` / ``client_arrays`` / ``aggregate`` behind the update gate
-(:func:`~crossdc.platform.update_gate.rejection_reason`), as in :mod:`crossdc.platform.federation`.
+(:mod:`crossdc.platform.update_gate`: the size limit, the tensor checks, then the round's norm outliers), as in
+:mod:`crossdc.platform.federation`.
 What it leaves out: Flower messages and their (de)serialisation (the float32 tensors, or the codec payload
 when the run compresses, are passed as they are, which is what the wire format carries), worker groups (W = 1), deadlines and the run log.
 """
@@ -29,9 +30,9 @@ from crossdc.compression.downlink import DownlinkSender, receive
 from crossdc.compression.payload import CONFIG_KEY, raw_fp32_bytes
 from crossdc.compression.uplink import decode_arrays
 from crossdc.compression.wire import CodecError
-from crossdc.platform.config import ExperimentConfig
+from crossdc.platform.config import ExperimentConfig, SecuritySection
 from crossdc.platform.experiment import build_strategy, build_workload, datacenter_seed, initial_model
-from crossdc.platform.update_gate import rejection_reason
+from crossdc.platform.update_gate import rejection_reason, size_rejection_reason, update_norm_outliers, update_size_limit
 from crossdc.strategies.base import ClientUpdate, Strategy
 from crossdc.workloads import Workload, evaluate
 
@@ -54,7 +55,10 @@ class InProcessFederation:
 
     def __init__(self, workload: Workload, strategy: Strategy, datacenters: Sequence[str], batch_size: int, optimizer: str,
                  lr: float, seeds: Mapping[str, int], state_root: str | Path, initial_weights: Mapping[str, np.ndarray],
-                 run_id: str = "inprocess", codecs: Sequence[str] = (), downlink_codecs: Sequence[str] = ()) -> None:
+                 run_id: str = "inprocess", codecs: Sequence[str] = (), downlink_codecs: Sequence[str] = (),
+                 security: SecuritySection = SecuritySection()) -> None:
+        """`security` gives the size limit and the norm-outlier factor; its robust aggregation is the strategy's
+        (set by build_strategy, or by the caller on a strategy built by hand)."""
         self.workload, self.strategy, self.lr = workload, strategy, lr
         self.downlink = DownlinkSender(downlink_codecs) if downlink_codecs else None
         self.codecs, self.seeds = tuple(codecs), dict(seeds)
@@ -62,6 +66,8 @@ class InProcessFederation:
         self.trainers = {dc: LocalTrainer(workload, workload.shard(dc), batch_size, optimizer, lr, seeds[dc]) for dc in self.datacenters}
         self.stores = {dc: DatacenterStateStore(state_root, run_id, dc) for dc in self.datacenters}
         self.weights: dict[str, np.ndarray] = {k: np.asarray(v, np.float32).copy() for k, v in initial_weights.items()}
+        self.norm_rejection_factor = security.norm_rejection_factor
+        self.max_bytes = update_size_limit(raw_fp32_bytes(self.weights), len(strategy.reply_groups), security.max_update_mb)
         self.server_round = 0
         self._eval_model: torch.nn.Module | None = None
 
@@ -74,7 +80,7 @@ class InProcessFederation:
         w = config.workload
         seeds = {dc: datacenter_seed(config, dc) for dc in config.datacenter_names}
         return cls(workload, strategy, config.datacenter_names, w.batch_size, w.optimizer, w.lr, seeds, state_root, weights, run_id,
-                   config.compression.codecs, config.compression.downlink_codecs)
+                   config.compression.codecs, config.compression.downlink_codecs, config.security)
 
     def run_round(self, participants: Sequence[str] | None = None) -> RoundResult:
         """One round: every datacenter in `participants` (default: all) trains; the strategy aggregates the accepted."""
@@ -94,15 +100,17 @@ class InProcessFederation:
             answer = run_local_round(self.strategy, self.trainers[dc], self.stores[dc], dc, self.server_round, tau, self.lr,
                                      start_from, sent, codecs=self.codecs, codec_seed=self.seeds[dc])
             extras = answer["extras"]
+            result.bytes_up[dc] = int(answer["payload"].nbytes) if "payload" in answer else raw_fp32_bytes(answer["delta"])
+            too_big = size_rejection_reason(result.bytes_up[dc], self.max_bytes)
+            if too_big is not None:
+                result.rejected[dc] = too_big
+                continue
             if "payload" in answer:
-                result.bytes_up[dc] = int(answer["payload"].nbytes)
                 try:
                     answer["delta"] = decode_arrays(answer["payload"], self.weights)
                 except CodecError as err:
                     result.rejected[dc] = f"undecodable update: {err}"
                     continue
-            else:
-                result.bytes_up[dc] = raw_fp32_bytes(answer["delta"])
             reason = rejection_reason(answer["delta"], self.weights)
             for group in self.strategy.reply_groups:
                 if reason is None:
@@ -110,10 +118,14 @@ class InProcessFederation:
             if reason is not None:
                 result.rejected[dc] = reason
                 continue
-            if self.downlink is not None:
-                self.downlink.acknowledge(dc)
             result.updates.append(ClientUpdate(dc, answer["delta"], int(answer["metrics"]["num-examples"]), answer["metrics"],
                                                {g: extras[g] for g in self.strategy.reply_groups}))
+        outliers = update_norm_outliers({u.datacenter: u.delta for u in result.updates}, self.norm_rejection_factor)
+        result.rejected.update(outliers)
+        result.updates = [u for u in result.updates if u.datacenter not in outliers]
+        if self.downlink is not None:
+            for update in result.updates:
+                self.downlink.acknowledge(update.datacenter)
         if result.updates:
             self.weights = self.strategy.aggregate(self.server_round, self.weights, result.updates)
             result.strategy_metrics = self.strategy.round_metrics(self.server_round, result.updates)

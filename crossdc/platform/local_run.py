@@ -35,9 +35,11 @@ from crossdc.db.queries import get_run, list_rounds
 from crossdc.db.runlog import RunLog
 from crossdc.platform.config import ExperimentConfig
 from crossdc.platform.link_relay import LinkRelay
-from crossdc.platform.processes import (ProcessGroup, ensure_port_free, flower_env, free_port, kill_processes_with_env, venv_bin,
+from crossdc.platform.processes import (ProcessGroup, ensure_port_free, flower_env, free_port, is_running, kill_processes_with_env,
+                                       venv_bin,
                                        wait_for_port)
 from crossdc.platform.rundir import RunDir
+from crossdc.platform.server_checkpoint import SETTINGS_ATTEMPT, SETTINGS_RESUME, SETTINGS_URL
 
 log = logging.getLogger("crossdc.local_run")
 
@@ -70,6 +72,11 @@ class LocalRunOptions:
     superlink: str | None = None
     #: with `superlink`: return right after submitting (follow later with `crossdc runs follow RUN_ID`)
     detach: bool = False
+    #: with `superlink`: the CA of a SuperLink that serves TLS (one with SuperNode authentication must); None: plain HTTP
+    superlink_ca: Path | None = None
+    #: continue the run `run_id` (its folder under `runs_root` holds its settings and the datacenters' state
+    #: stores) from its newest checkpoint, as the next attempt at it
+    resume: bool = False
 
 
 class Detached(Exception):
@@ -122,11 +129,25 @@ class LocalRun:
         if self.options.engine == "deployment" and self.options.superlink is None:
             ensure_port_free(HOST, self.options.superlink_port)  # fail before anything starts; checked again at launch
         upgrade(self.options.db_url)
-        self.run_dir.create({"run_id": self.run_id, "db_url": self.options.db_url, "config": self.config.raw,
-                             "db_max_outage_s": self.options.db_max_outage_s})
+        settings = {"run_id": self.run_id, "db_url": self.options.db_url, "config": self.config.raw,
+                    "db_max_outage_s": self.options.db_max_outage_s, SETTINGS_ATTEMPT: 1}
+        if self.config.checkpoint.every_rounds > 0:
+            settings[SETTINGS_URL] = checkpoint_url(self.config.checkpoint.dir, self.run_id)
+        if self.options.resume:
+            before = self.run_dir.settings()
+            settings.update({SETTINGS_ATTEMPT: int(before.get(SETTINGS_ATTEMPT, 1)) + 1, SETTINGS_RESUME: True})
+            if before.get(SETTINGS_URL):
+                settings[SETTINGS_URL] = before[SETTINGS_URL]
+        self.run_dir.create(settings)
+        (self.run_dir.path / COORDINATOR_PID_FILE).write_text(str(os.getpid()))
         with RunLog(self.options.db_url) as runlog:
-            runlog.start_run(run_id=self.run_id, name=self.config.run.name, strategy=self.config.strategy.name,
-                             config=self.config.raw, rounds_planned=self.config.run.rounds)
+            if self.options.resume:
+                runlog.resume_run(run_id=self.run_id)
+                runlog.log_event(run_id=self.run_id, kind="resume-requested",
+                                 detail={"attempt": settings[SETTINGS_ATTEMPT]})
+            else:
+                runlog.start_run(run_id=self.run_id, name=self.config.run.name, strategy=self.config.strategy.name,
+                                 config=self.config.raw, rounds_planned=self.config.run.rounds)
             runlog.flush(timeout=30)
 
     def start_trainers(self) -> None:
@@ -187,11 +208,14 @@ class LocalRun:
         if self.processes.find(f"supernode-{name}") is None:
             self._start_supernode(name)
 
-    def write_flower_app(self, superlink_address: str) -> None:
-        """The Flower app folder and the federation (`crossdc` → `superlink_address`) that `flwr run` submits to."""
+    def write_flower_app(self, superlink_address: str, root_certificates: Path | None = None) -> None:
+        """The Flower app folder and the federation (`crossdc` → `superlink_address`, TLS verified against
+        `root_certificates` if given) that `flwr run` submits to."""
         self.run_dir.flwr_home.mkdir(parents=True, exist_ok=True)
+        security = (f'root-certificates = "{root_certificates.resolve()}"' if root_certificates is not None
+                    else "insecure = true")
         (self.run_dir.flwr_home / "config.toml").write_text(
-            f'[superlink]\ndefault = "crossdc"\n\n[superlink.crossdc]\naddress = "{superlink_address}"\ninsecure = true\n'
+            f'[superlink]\ndefault = "crossdc"\n\n[superlink.crossdc]\naddress = "{superlink_address}"\n{security}\n'
         )
         self.run_dir.app_dir.mkdir(parents=True, exist_ok=True)
         shutil.copy(FLOWER_APP_TEMPLATE, self.run_dir.app_dir / "pyproject.toml")
@@ -351,7 +375,7 @@ class LocalRun:
         if self.config.link_faults or any(dc.link for dc in self.config.datacenters):
             raise RunFailed("links and link faults are emulated only for local runs; a standing federation has real links")
         self.prepare()
-        self.write_flower_app(self.options.superlink)
+        self.write_flower_app(self.options.superlink, self.options.superlink_ca)
         try:
             flower_run_id = self.submit()
         except Exception as err:
@@ -387,12 +411,15 @@ class LocalRun:
         from crossdc.clients.client_app import app as client_app
         from crossdc.platform.server_app import make_server_app
 
+        # one Ray actor per datacenter (a ClientApp only waits on its datacenter's trainer): every datacenter can
+        # have its task in flight at once, which an asynchronous strategy needs
+        actors = max(2, len(self.config.datacenters))
         try:
             run_simulation(
                 server_app=make_server_app(self.run_dir),
                 client_app=client_app,
                 num_supernodes=len(self.config.datacenters),
-                backend_config={"client_resources": {"num_cpus": 1, "num_gpus": 0.0}, "init_args": {"num_cpus": 2, "include_dashboard": False}},
+                backend_config={"client_resources": {"num_cpus": 1, "num_gpus": 0.0}, "init_args": {"num_cpus": actors, "include_dashboard": False}},
             )
         except SystemExit as exit_:  # Flower ends the process on some errors (e.g. missing simulation extras)
             raise RunFailed(f"Flower's simulation engine exited with code {exit_.code}; see the log above") from None
@@ -420,6 +447,31 @@ class LocalRun:
             log.warning("could not record that run %s %s: %s", self.run_id, status, err)
         finally:
             engine.dispose()
+
+
+COORDINATOR_PID_FILE = "coordinator.pid"
+
+
+def coordinator_alive(run_dir: RunDir) -> int | None:
+    """The pid of the process coordinating the run in `run_dir` if it is still alive, else None."""
+    try:
+        pid = int((run_dir.path / COORDINATOR_PID_FILE).read_text().strip())
+    except (OSError, ValueError):
+        return None
+    if pid == os.getpid() or not is_running(pid):
+        return None
+    try:  # a recycled pid is not the coordinator
+        command = Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace")
+    except OSError:
+        return None
+    return pid if "crossdc" in command else None
+
+
+def checkpoint_url(directory: str, run_id: str) -> str:
+    """Where a run's checkpoints go: `directory`/`run_id`, an fsspec URL as it is, a local path made absolute."""
+    if "://" in directory:
+        return f"{directory.rstrip('/')}/{run_id}"
+    return str(Path(directory).resolve() / run_id)
 
 
 def run_local(config: ExperimentConfig, options: LocalRunOptions) -> LocalRunResult:

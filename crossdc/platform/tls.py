@@ -39,7 +39,8 @@ class CertificatePaths:
     server_key: Path
 
 
-def _write(path: Path, data: bytes, private: bool) -> None:
+def write_file(path: Path, data: bytes, private: bool) -> None:
+    """Write `data` to `path` atomically; mode 0600 when `private`, else 0644."""
     tmp = path.with_name(path.name + ".tmp")
     fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600 if private else 0o644)
     with os.fdopen(fd, "wb") as out:
@@ -100,8 +101,8 @@ def make_certificates(directory: str | Path, hosts: list[str], *, days: int = 36
                    .add_extension(x509.ExtendedKeyUsage([ExtendedKeyUsageOID.SERVER_AUTH]), critical=False)
                    .add_extension(x509.AuthorityKeyIdentifier.from_issuer_public_key(ca_key.public_key()), critical=False)
                    .sign(ca_key, hashes.SHA256()))
-    _write(paths.ca_key, _key_pem(ca_key), private=True)
-    _write(paths.ca_cert, ca_cert.public_bytes(serialization.Encoding.PEM), private=False)
-    _write(paths.server_key, _key_pem(server_key), private=True)
-    _write(paths.server_cert, server_cert.public_bytes(serialization.Encoding.PEM), private=False)
+    write_file(paths.ca_key, _key_pem(ca_key), private=True)
+    write_file(paths.ca_cert, ca_cert.public_bytes(serialization.Encoding.PEM), private=False)
+    write_file(paths.server_key, _key_pem(server_key), private=True)
+    write_file(paths.server_cert, server_cert.public_bytes(serialization.Encoding.PEM), private=False)
     return paths

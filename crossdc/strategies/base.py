@@ -24,8 +24,11 @@ Client contract (what every strategy built on this base relies on):
   and ``compute-s``.
 
 The base owns what every strategy shares: the τ schedule, the
-example-weighted mean of the updates, the plain "x + mean Δy" step, per-round
-metrics for the run log, and the checkpoint hooks. A strategy overrides only
+example-weighted mean of the updates (:meth:`Strategy.mean_update`; a
+coordinate-wise median or trimmed mean instead when the run sets
+``[security] robust_aggregation``, see :meth:`Strategy.use_robust_aggregation`),
+the plain "x + mean Δy" step, per-round metrics for the run log, and the
+checkpoint hooks. A strategy overrides only
 what differs (FedProx: the local loss; SCAFFOLD: local gradients, reply and
 server state; DiLoCo: the server's outer step).
 
@@ -46,7 +49,8 @@ from typing import TYPE_CHECKING, Any, ClassVar
 import numpy as np
 
 from crossdc.parameters import Parameter, ParameterError, check_parameters
-from crossdc.strategies.aggregation import add, weighted_average
+from crossdc.strategies.aggregation import add
+from crossdc.strategies.robust import DEFAULT_TRIM_FRACTION, check_robust_aggregation, robust_mean
 from crossdc.strategies.schedule import tau_for_round
 
 if TYPE_CHECKING:
@@ -131,6 +135,9 @@ class Strategy(ABC):
     reply_groups: ClassVar[tuple[str, ...]] = ()
     #: the state-store key of the datacenter half's state (None: it keeps none beyond the trainer's own).
     client_state_key: ClassVar[str | None] = None
+    #: how :meth:`mean_update` combines the updates (set by :meth:`use_robust_aggregation`; server half only)
+    robust_aggregation: str = "none"
+    trim_fraction: float = DEFAULT_TRIM_FRACTION
 
     def __init__(self, tau_start: int, tau_end: int, warmup_rounds: int, tau_kind: str = "linear", params: Mapping[str, Any] | None = None) -> None:
         try:
@@ -170,9 +177,21 @@ class Strategy(ABC):
         """Extra tensor groups for the train message, by record name (none by default)."""
         return {}
 
+    def use_robust_aggregation(self, kind: str, trim_fraction: float = DEFAULT_TRIM_FRACTION) -> None:
+        """Make :meth:`mean_update` the robust aggregate `kind` (``[security] robust_aggregation``: ``none``,
+        ``median`` or ``trimmed_mean`` with `trim_fraction`; see :func:`crossdc.strategies.robust.robust_mean`).
+        Set once after construction (:func:`crossdc.platform.experiment.build_strategy`); StrategyError if unknown."""
+        try:
+            check_robust_aggregation(kind, trim_fraction)
+        except ValueError as err:
+            raise StrategyError(f"strategy '{self.name}': {err}") from None
+        self.robust_aggregation, self.trim_fraction = kind, trim_fraction
+
     def mean_update(self, updates: Sequence[ClientUpdate]) -> dict[str, np.ndarray]:
-        """The example-weighted mean of the accepted updates."""
-        return weighted_average([u.delta for u in updates], [u.num_examples for u in updates])
+        """The aggregate of the accepted updates Δy: their example-weighted mean, or the robust aggregate the run
+        asked for (:meth:`use_robust_aggregation`). Every strategy's server step goes through it."""
+        return robust_mean([u.delta for u in updates], [u.num_examples for u in updates], self.robust_aggregation,
+                           self.trim_fraction)
 
     def aggregate(self, server_round: int, global_weights: Arrays, updates: Sequence[ClientUpdate]) -> dict[str, np.ndarray]:
         """New global weights from the accepted updates (default: x + mean Δy)."""

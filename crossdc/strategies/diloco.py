@@ -6,7 +6,8 @@ datacenter across rounds, in its trainer and its durable state store (the traine
 and a restarted trainer resumes from them).
 
 Server: the outer gradient is the averaged pseudo-gradient g = x − mean_i y_i = −mean Δy (example-weighted,
-like FedAvg's mean); the outer optimizer is SGD with Nesterov momentum, exactly torch.optim.SGD(lr=outer_lr,
+like FedAvg's mean; the robust aggregate with ``[security] robust_aggregation``, see Strategy.mean_update); the
+outer optimizer is SGD with Nesterov momentum, exactly torch.optim.SGD(lr=outer_lr,
 momentum=outer_momentum, nesterov=True) semantics (:func:`crossdc.strategies.aggregation.nesterov_sgd_step`):
 b ← μ·b + g (b ← g at the first step), x ← x − lr·(g + μ·b). Its momentum buffer lives on the server and is
 checkpointable (:meth:`DiLoCo.state_dict` / :meth:`DiLoCo.load_state_dict`). With outer_lr = 1 and

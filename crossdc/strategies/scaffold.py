@@ -22,7 +22,9 @@ with momentum or Adam the same formula would mix in the optimizer's own scaling,
 
 Server: x ← x + η_g·mean(Δy) (example-weighted mean; every datacenter runs the same τ·batch, so it is the
 plain mean), c ← c + (|S|/N)·mean(Δc) (plain mean over the |S| accepted replies, N = configured
-datacenters), which keeps c = (1/N)·Σ_i c_i. η_g = ``global_lr`` from the config.
+datacenters), which keeps c = (1/N)·Σ_i c_i. η_g = ``global_lr`` from the config. With
+``[security] robust_aggregation`` the mean of Δy becomes the robust aggregate (:meth:`Strategy.mean_update`);
+the mean of Δc stays the plain mean, so that c stays (1/N)·Σ_i c_i.
 
 Known limit: if a datacenter's reply is lost after it stored c_i⁺ (link cut, round deadline), the server
 never adds that Δc_i, and c drifts from the mean of the c_i by Δc_i/N until the next replies.

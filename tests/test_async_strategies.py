@@ -1,0 +1,267 @@
+"""Asynchronous strategies without a run: staleness functions, FedAsync/FedBuff server maths, their buffer and
+bound, the row merge of the asynchronous loop, speed emulation, and the config errors. Pure and fast."""
+
+from __future__ import annotations
+
+import json
+import math
+import statistics
+import time
+from typing import Any
+
+import numpy as np
+import pytest
+
+from crossdc.clients import local_training
+from crossdc.platform.async_federation import merge_rows
+from crossdc.platform.config import ConfigError, parse_config
+from crossdc.platform.experiment import build_strategy, build_workload
+from crossdc.strategies import staleness as st
+from crossdc.strategies.base import ClientUpdate, RunInfo, StrategyError
+from crossdc.strategies.fedasync import FedAsync, fedasync_step
+from crossdc.strategies.fedbuff import FedBuff, fedbuff_step
+from crossdc.strategies.registry import describe_strategies, strategy_class
+
+from conftest import CROSSDC
+
+RUN = RunInfo(datacenters=("a", "b", "c"), optimizer="adamw", lr=0.01)
+
+
+def arrays(value: float) -> dict[str, np.ndarray]:
+    return {"w": np.full((2, 2), value, np.float32), "b": np.full(3, value, np.float32)}
+
+
+def update(name: str, value: float, examples: int = 64) -> ClientUpdate:
+    return ClientUpdate(name, arrays(value), examples)
+
+
+def strategy(cls: type, **params: Any) -> Any:
+    made = cls(1, 1, 0, params=params)
+    made.bind(RUN)
+    return made
+
+
+# -- staleness functions ------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("s", [0, 1, 2, 3, 7, 100])
+def test_staleness_functions_exact_values(s: int) -> None:
+    assert st.inverse(s, 0.6) == 0.6 / (1 + s)
+    assert st.constant(s, 0.6) == 0.6
+    assert st.polynomial(s, 0.6, 0.5) == 0.6 * (1 + s) ** -0.5
+    assert st.polynomial(s, 1.0, 2.0) == 1.0 / (1 + s) ** 2
+    assert st.hinge(s, 0.6, 0) == st.inverse(s, 0.6)  # b = 0: the inverse function
+    assert st.hinge(s, 0.6, 2) == (0.6 if s <= 2 else 0.6 / (1 + s - 2))
+
+
+def test_staleness_functions_start_at_lr_and_never_increase() -> None:
+    for kind in st.STALENESS_FUNCTIONS:
+        values = [st.staleness_scale(kind, s, 0.5, exponent=0.7, hinge_after=3) for s in range(50)]
+        assert values[0] == 0.5
+        assert all(later <= earlier for earlier, later in zip(values, values[1:]))
+    assert st.staleness_scale("inverse", 4) == 0.2
+    assert st.staleness_scale("hinge", 4, 1.0, hinge_after=4) == 1.0
+    assert st.staleness_scale("hinge", 5, 1.0, hinge_after=4) == 0.5
+
+
+@pytest.mark.parametrize("bad", [-1, 1.5, True, "2"])
+def test_staleness_must_be_a_non_negative_integer(bad: Any) -> None:
+    with pytest.raises(ValueError, match="staleness must be an integer ≥ 0"):
+        st.inverse(bad)
+
+
+def test_unknown_staleness_function_and_bad_shape_parameters() -> None:
+    with pytest.raises(ValueError, match="unknown staleness function 'linear'"):
+        st.staleness_scale("linear", 1)
+    with pytest.raises(ValueError, match="exponent"):
+        st.polynomial(1, 1.0, 0.0)
+    with pytest.raises(ValueError, match="hinge point"):
+        st.hinge(1, 1.0, -1)
+
+
+# -- server maths -----------------------------------------------------------------------------
+
+
+def test_fedasync_step_is_x_plus_scale_delta() -> None:
+    x, delta = arrays(1.0), arrays(0.5)
+    new = fedasync_step(x, delta, 0.3)
+    assert all(new[k].dtype == np.float32 for k in new)
+    np.testing.assert_array_equal(new["w"], np.float32(1.0) + np.float32(0.3) * np.float32(0.5))
+
+
+def test_fedbuff_step_is_the_example_weighted_mean_of_scaled_updates() -> None:
+    x = arrays(1.0)
+    new = fedbuff_step(x, [arrays(1.0), arrays(-2.0), arrays(4.0)], [1.0, 0.5, 0.25], [10, 10, 20])
+    expected = 1.0 + (10 * 1.0 * 1.0 + 10 * 0.5 * -2.0 + 20 * 0.25 * 4.0) / 40
+    np.testing.assert_allclose(new["b"], expected, rtol=1e-7)
+
+
+def test_fedasync_applies_each_update_on_arrival_scaled_by_staleness() -> None:
+    s = strategy(FedAsync, lr=0.6)
+    assert s.buffer_size() == 1 and not s.ready()
+    entry = s.submit(update("a", 2.0), staleness=2, seq=7, base_version=3)
+    assert entry.scale == pytest.approx(0.6 / 3) and entry.seq == 7 and entry.base_version == 3
+    assert s.waiting("a") and s.ready()
+    x = arrays(1.0)
+    new, applied = s.step(x)
+    assert applied == [entry] and not s.submitted and not s.waiting("a")
+    np.testing.assert_array_equal(new["w"], fedasync_step(x, arrays(2.0), entry.scale)["w"])
+
+
+def test_fedbuff_buffers_k_updates_default_the_number_of_datacenters() -> None:
+    s = strategy(FedBuff)
+    assert s.buffer_size() == 3
+    s.submit(update("c", 3.0), 0, seq=1)
+    s.submit(update("a", 1.0), 1, seq=2)
+    assert not s.ready()
+    s.submit(update("a", -1.0, examples=32), 2, seq=3)  # a fast datacenter may fill two slots
+    assert s.ready()
+    x = arrays(0.0)
+    new, applied = s.step(x)
+    assert [e.seq for e in applied] == [2, 3, 1]  # in the run's datacenter order, then arrival
+    expected = fedbuff_step(x, [e.update.delta for e in applied], [e.scale for e in applied],
+                            [e.update.num_examples for e in applied])
+    for name in x:
+        np.testing.assert_array_equal(new[name], expected[name])
+    assert [e.scale for e in applied] == [1.0 / 2, 1.0 / 3, 1.0]
+    assert strategy(FedBuff, buffer_size=2).buffer_size() == 2
+
+
+def test_fedbuff_at_staleness_zero_and_lr_one_is_fedavg_exactly() -> None:
+    from crossdc.strategies.fedavg import FedAvgTau
+
+    fedavg = strategy(FedAvgTau)
+    s = strategy(FedBuff)
+    ups = [update("a", 0.3, 64), update("b", -0.7, 32), update("c", 0.11, 64)]
+    for i, u in enumerate(ups):
+        s.submit(u, 0, seq=i + 1)
+    x = arrays(0.25)
+    new, _ = s.step(x)
+    reference = fedavg.aggregate(1, x, ups)
+    for name in x:
+        np.testing.assert_array_equal(new[name], reference[name])
+
+
+def test_updates_beyond_max_staleness_are_not_admitted() -> None:
+    s = strategy(FedAsync, max_staleness=4)
+    assert s.admits(0) and s.admits(4) and not s.admits(5) and not s.admits(-1)
+    with pytest.raises(StrategyError, match="exceeds max_staleness = 4"):
+        s.submit(update("a", 1.0), 5)
+    assert not s.submitted
+    with pytest.raises(StrategyError, match="at least one submitted update"):
+        s.step(arrays(0.0))
+
+
+def test_asynchronous_strategies_refuse_the_synchronous_loop() -> None:
+    with pytest.raises(StrategyError, match="asynchronous"):
+        strategy(FedBuff).aggregate(1, arrays(0.0), [update("a", 1.0)])
+
+
+# -- the loop's row merge ----------------------------------------------------------------------
+
+
+def test_merge_rows_of_one_datacenter_at_one_version() -> None:
+    one = {"status": "ok", "bytes_up": 10, "compute_s": 1.0, "train_loss": 2.0, "num_examples": 30, "staleness": 1}
+    assert merge_rows([one]) == one
+    merged = merge_rows([
+        one,
+        {"status": "rejected", "reason": "stale update discarded: staleness 6 > max_staleness 4", "bytes_up": 10,
+         "compute_s": 2.0, "train_loss": 5.0, "staleness": 6, "comm_s": None, "comm_source": "relay"},
+        {"status": "ok", "bytes_up": 10, "compute_s": 0.5, "train_loss": 1.0, "num_examples": 10, "staleness": 0,
+         "update_cosine": 0.5},
+    ])
+    assert merged["status"] == "ok" and merged["reason"].startswith("stale update discarded")
+    assert merged["bytes_up"] == 30 and merged["compute_s"] == 3.5 and merged["num_examples"] == 40
+    assert merged["staleness"] == 6 and merged["update_cosine"] == 0.5 and merged["comm_source"] == "relay"
+    assert merged["train_loss"] == pytest.approx((2.0 * 30 + 1.0 * 10) / 40)  # the discarded one kept no example count
+    assert "comm_s" not in merged
+    assert merge_rows([{"status": "timeout", "reason": "x"}, {"status": "failed", "reason": "y"}])["status"] == "failed"
+
+
+# -- speed emulation ---------------------------------------------------------------------------
+
+
+def test_a_slow_datacenter_takes_one_over_speed_times_as_long_and_counts_it_as_compute(monkeypatch: pytest.MonkeyPatch) -> None:
+    doc = {"run": {"rounds": 1}, "workload": {"dataset": "synthetic", "model": "linear", "batch_size": 16},
+           "strategy": {"name": "fedavg"}, "datacenters": [{"name": "a"}]}
+    workload = build_workload(parse_config(doc))
+    real_sleep = time.sleep
+    slept: list[float] = []
+
+    def recording_sleep(seconds: float) -> None:
+        started = time.perf_counter()
+        real_sleep(seconds)
+        slept.append(time.perf_counter() - started)
+
+    monkeypatch.setattr(local_training.time, "sleep", recording_sleep)
+    normal = local_training.LocalTrainer(workload, workload.shard("a"), 16, "adamw", 0.01, seed=1)
+    normal.train_steps(20)
+    assert slept == [] and not normal.hot_step_s  # speed 1: no pacing at all
+    slow = local_training.LocalTrainer(workload, workload.shard("a"), 16, "adamw", 0.01, seed=1, speed=0.1)
+    slow.train_steps(20)  # warm-up: the pace learns a step's time
+    slept.clear()
+    result = slow.train_steps(200)
+    step = statistics.median(slow.hot_step_s)
+    assert result.compute_s >= sum(slept) > 0.5 * result.compute_s  # the sleeps are part of compute_s
+    assert 0.7 * 10 * 200 * step <= result.compute_s <= 1.4 * 10 * 200 * step + 0.05  # 1/s = 10 × each step
+    with pytest.raises(ValueError, match="speed"):
+        local_training.LocalTrainer(workload, workload.shard("a"), 16, "adamw", 0.01, seed=1, speed=0.0)
+
+
+# -- config and strategy errors -----------------------------------------------------------------
+
+
+def config_doc(strategy_name: str = "fedbuff", params: dict[str, Any] | None = None, **dc: Any) -> dict[str, Any]:
+    return {"run": {"rounds": 2}, "workload": {"dataset": "synthetic", "model": "linear"},
+            "strategy": {"name": strategy_name, "params": params or {}},
+            "datacenters": [{"name": "a", **dc}, {"name": "b"}]}
+
+
+def test_speed_is_parsed_and_bounded() -> None:
+    assert [d.speed for d in parse_config(config_doc(speed=0.25)).datacenters] == [0.25, 1.0]
+    for bad, words in ((0, "must be > 0"), (-0.5, "must be > 0"), (1.5, "must be ≤ 1"), (float("nan"), "finite"),
+                       ("fast", "must be a number"), (True, "must be a number")):
+        with pytest.raises(ConfigError) as err:
+            parse_config(config_doc(speed=bad))
+        message = str(err.value)
+        assert "datacenters[0].speed" in message and words in message and "\n" not in message
+
+
+@pytest.mark.parametrize(("name", "params", "words"), [
+    ("fedasync", {"max_staleness": -1}, "parameter 'max_staleness' must be ≥ 0"),
+    ("fedbuff", {"max_staleness": 2.5}, "parameter 'max_staleness' must be int"),
+    ("fedbuff", {"max_staleness": True}, "parameter 'max_staleness' must be int"),
+    ("fedasync", {"staleness": "linear"}, "parameter 'staleness' must be one of inverse, hinge, constant, polynomial"),
+    ("fedasync", {"lr": -0.1}, "parameter 'lr' must be ≥ 0"),
+    ("fedbuff", {"buffer_size": -2}, "parameter 'buffer_size' must be ≥ 0"),
+    ("fedbuff", {"max_staleness": 0, "buffer_size": 3}, "buffer_size = 3 can never fill with 2 datacenters"),
+    ("fedasync", {"buffer_size": 2}, "unknown parameter 'buffer_size' for strategy 'fedasync'"),
+])
+def test_bad_async_parameters_are_one_line_strategy_errors(name: str, params: dict[str, Any], words: str) -> None:
+    with pytest.raises(StrategyError) as err:
+        build_strategy(parse_config(config_doc(name, params)))
+    assert words in str(err.value) and "\n" not in str(err.value)
+
+
+def test_async_strategies_refuse_what_they_cannot_honour() -> None:
+    doc = config_doc("fedasync")
+    doc["security"] = {"robust_aggregation": "median"}
+    with pytest.raises(StrategyError, match="nothing to combine"):
+        build_strategy(parse_config(doc))
+    doc = config_doc("fedbuff")
+    doc["security"] = {"norm_rejection_factor": 3}
+    with pytest.raises(StrategyError, match="norm_rejection_factor.*not implemented yet"):
+        build_strategy(parse_config(doc))
+
+
+def test_the_new_strategies_are_registered_and_listed() -> None:
+    import subprocess
+
+    assert strategy_class("fedasync") is FedAsync and strategy_class("fedbuff") is FedBuff
+    rows = {r["name"]: r for r in describe_strategies()}
+    assert set(rows["fedasync"]["parameters"]) == {"lr", "max_staleness", "staleness", "staleness_exponent", "hinge_after"}
+    assert set(rows["fedbuff"]["parameters"]) == set(rows["fedasync"]["parameters"]) | {"buffer_size"}
+    listed = subprocess.run([CROSSDC, "strategies", "list", "--json"], capture_output=True, text=True, timeout=60)
+    names = {r["name"]: r for r in json.loads(listed.stdout)}
+    assert names["fedbuff"]["parameters"]["max_staleness"]["default"] == 16
+    assert names["fedasync"]["source"] == "built-in" and math.isclose(names["fedasync"]["parameters"]["lr"]["default"], 0.6)
