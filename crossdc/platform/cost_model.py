@@ -211,6 +211,7 @@ def flower_objects_per_message(payload_bytes: float, tensors: int = 1,
 
 
 def flower_round_trips(bytes_down: float, bytes_up: float, tensors: int = 1, *,
+                       records: int = CROSSDC_RECORDS_PER_MESSAGE,
                        first_message: bool = False,
                        concurrency: int = FLOWER_OBJECT_CONCURRENCY,
                        chunk_bytes: int = FLOWER_CHUNK_BYTES) -> int:
@@ -230,12 +231,13 @@ def flower_round_trips(bytes_down: float, bytes_up: float, tensors: int = 1, *,
       - one PushObject per object of the reply (:522-531 → push_object_contents_from_iterable), c in flight.
     The idle polls before the message arrives (a PullMessages every 3 s, :263) are waiting, i.e.
     overhead, not communication; heartbeats run on their own thread every 30 s, off the critical path.
-    Counting ⌈n/c⌉ RTTs for n objects assumes the c requests advance in lock-step, which makes
+    `tensors` and `records` describe each message (crossdc's: one packed Array, three records; Flower's
+    FedAvg: one Array per model tensor, two records). Counting ⌈n/c⌉ RTTs for n objects assumes the c requests advance in lock-step, which makes
     comm = transfer + k·RTT an upper estimate when a chunk's transfer is long compared with the RTT.
     """
     _positive_int("concurrency", concurrency)
-    down = flower_objects_per_message(bytes_down, tensors, chunk_bytes=chunk_bytes)
-    up = flower_objects_per_message(bytes_up, tensors, chunk_bytes=chunk_bytes)
+    down = flower_objects_per_message(bytes_down, tensors, records, chunk_bytes)
+    up = flower_objects_per_message(bytes_up, tensors, records, chunk_bytes)
     k = FLOWER_FIXED_EXCHANGES_PER_MESSAGE + math.ceil(down / concurrency) + math.ceil(up / concurrency)
     return k + (FLOWER_FIRST_MESSAGE_EXCHANGES if first_message else 0)
 

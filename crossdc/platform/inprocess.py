@@ -9,6 +9,9 @@ server side is the strategy's ``tau`` / ``client_arrays`` / ``aggregate`` behind
 :mod:`crossdc.platform.federation`.
 What it leaves out: Flower messages and their (de)serialisation (the float32 tensors, or the codec payload
 when the run compresses, are passed as they are, which is what the wire format carries), worker groups (W = 1), deadlines and the run log.
+Bytes are still counted as a run counts them: `bytes_down` is the serialised size of the message a datacenter would be
+sent (:func:`~crossdc.compression.payload.payload_bytes` of the same records), `bytes_up` the update as sent (codec
+payload or dense float32) plus the strategy's dense reply groups (SCAFFOLD's control variate).
 """
 
 from __future__ import annotations
@@ -24,10 +27,11 @@ from flwr.app import ConfigRecord, RecordDict
 
 from crossdc.clients.local_round import run_local_round
 from crossdc.clients.local_training import LocalTrainer, load_model_weights, model_weights
+from crossdc.clients import client_app as wire
 from crossdc.clients.client_app import global_model
 from crossdc.clients.state_store import DatacenterStateStore
 from crossdc.compression.downlink import DownlinkSender, receive
-from crossdc.compression.payload import CONFIG_KEY, raw_fp32_bytes
+from crossdc.compression.payload import CONFIG_KEY, encode_tensors, payload_bytes, raw_fp32_bytes
 from crossdc.compression.uplink import decode_arrays
 from crossdc.compression.wire import CodecError
 from crossdc.platform.config import ExperimentConfig, SecuritySection
@@ -46,8 +50,12 @@ class RoundResult:
     updates: list[ClientUpdate] = field(default_factory=list)
     rejected: dict[str, str] = field(default_factory=dict)
     strategy_metrics: dict[str, Any] = field(default_factory=dict)
-    #: bytes of each datacenter's update as sent (the codec payload, or dense float32 without codecs)
+    #: bytes of each datacenter's update as sent (the codec payload, or dense float32 without codecs) and its extra groups
     bytes_up: dict[str, int] = field(default_factory=dict)
+    #: bytes of the message each datacenter was sent (model or downlink payload, the strategy's groups, the config)
+    bytes_down: dict[str, int] = field(default_factory=dict)
+    #: seconds of local training per datacenter (the trainer's `compute-s`)
+    compute_s: dict[str, float] = field(default_factory=dict)
 
 
 class InProcessFederation:
@@ -89,18 +97,28 @@ class InProcessFederation:
         sent = {group: {k: v.copy() for k, v in arrays.items()}
                 for group, arrays in self.strategy.client_arrays(self.server_round, self.weights).items()}
         result = RoundResult(self.server_round, tau)
+        group_records: dict[str, Any] = encode_tensors(self.weights) if self.downlink is None else {}
+        for group, arrays in sent.items():
+            group_records.update(encode_tensors(arrays, group))
+        round_config = {wire.ROUND: self.server_round, wire.TAU: tau, **self.strategy.client_config(self.server_round)}
         if self.downlink is not None:
             self.downlink.prepare(self.weights, self.server_round)
         for dc in (self.datacenters if participants is None else participants):
             start_from = self.weights
+            records: dict[str, Any] = {}
+            cfg: dict[str, Any] = {}
             if self.downlink is not None:  # the reference the datacenter holds, rebuilt from what it was sent
                 records, cfg = self.downlink.message_for(dc)
                 start_from = receive(global_model(RecordDict({**records, CONFIG_KEY: ConfigRecord(cfg)}))["downlink"],
                                      self.stores[dc], self.server_round)
+            result.bytes_down[dc] = payload_bytes(RecordDict({**records, **group_records,
+                                                              CONFIG_KEY: ConfigRecord({**round_config, wire.DATACENTER: dc, **cfg})}))
             answer = run_local_round(self.strategy, self.trainers[dc], self.stores[dc], dc, self.server_round, tau, self.lr,
                                      start_from, sent, codecs=self.codecs, codec_seed=self.seeds[dc])
             extras = answer["extras"]
-            result.bytes_up[dc] = int(answer["payload"].nbytes) if "payload" in answer else raw_fp32_bytes(answer["delta"])
+            result.compute_s[dc] = float(answer["metrics"]["compute-s"])
+            result.bytes_up[dc] = (int(answer["payload"].nbytes) if "payload" in answer else raw_fp32_bytes(answer["delta"])) \
+                + sum(raw_fp32_bytes(extras[group]) for group in self.strategy.reply_groups if group in extras)
             too_big = size_rejection_reason(result.bytes_up[dc], self.max_bytes)
             if too_big is not None:
                 result.rejected[dc] = too_big
