@@ -52,7 +52,7 @@ import platform
 import tempfile
 import time
 from concurrent.futures import ProcessPoolExecutor
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
@@ -204,14 +204,10 @@ def run_single_datacenter(size: Size, kind: str, root: Path) -> dict[str, Any]:
     db_url = f"sqlite:///{root / f'baseline-{kind}.db'}"
     upgrade(db_url)
     rounds = size.steps // size.eval_every_steps
-    config = parse_config(experiment(Method("baseline", "", "crossdc"), replace_tau(size, size.eval_every_steps), rounds))
+    config = parse_config(experiment(Method("baseline", "", "crossdc"), replace(size, tau=size.eval_every_steps), rounds))
     history: list[dict[str, Any]] = []
     summary = run_baseline(config, kind, db_url, f"wan-baseline-{kind}", progress=lambda h: history.__setitem__(slice(None), h))
     return {"summary": summary, "history": [dict(h) for h in history]}
-
-
-def replace_tau(size: Size, tau: int) -> Size:
-    return Size(**{**asdict(size), "tau": tau})
 
 
 # ----------------------------------------------------------------------------- time and bytes
@@ -295,7 +291,6 @@ def finish_rows(rows: list[dict[str, Any]]) -> None:
         r["wall_over_compute"] = r["wall_s"] / r["compute_s"] if r["compute_s"] else None
         r["overhead_share"] = r["overhead_s"] / r["wall_s"] if r["wall_s"] else None
         r["time_to_sync_loss_s"] = time_to_loss(r["curve"], target)
-    return None
 
 
 def project(rows: list[dict[str, Any]], params: int, n: int, link: LinkSpec) -> None:

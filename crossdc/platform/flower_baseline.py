@@ -85,7 +85,6 @@ def _per_datacenter(records: list[RecordDict], weighted_by_key: str) -> MetricRe
     """Keep each client's figures (sums and maxima) instead of FedAvg's weighted mean of them."""
     metrics = [next(iter(r.metric_records.values())) for r in records]
     return MetricRecord({"num-examples": sum(int(m["num-examples"]) for m in metrics),
-                         "compute-s-max": max(float(m["compute-s"]) for m in metrics),
                          "compute-s-each": [float(m["compute-s"]) for m in metrics],
                          "bytes-down-each": [int(m["bytes-down"]) for m in metrics],
                          "bytes-up-each": [int(m["bytes-up"]) for m in metrics],
