@@ -136,6 +136,16 @@ def test_sparsity_warmup_schedule() -> None:
     assert warmup_fraction(3, 0.001, 4) == pytest.approx(0.25 * (0.001 / 0.25) ** 0.5)
     assert warmup_fraction(5, 0.001, 4) == pytest.approx(0.001)
     assert warmup_fraction(1, 0.001, 0) == 0.001
+    # a downlink that keeps up with 4 datacenters' union: 4 × the uplink's fraction in every round
+    for server_round in range(1, 7):
+        assert warmup_fraction(server_round, 0.04, 4, start=1.0) == pytest.approx(4 * warmup_fraction(server_round, 0.01, 4))
+
+
+def test_warmup_start_sets_the_first_rounds_kept_fraction() -> None:
+    pipeline = CodecPipeline(["topk:0.01:warmup=2:warmup_start=0.5"])
+    x = torch.arange(1.0, 101.0)
+    assert int((pipeline.encode({"x": x}, 1).sent["x"] != 0).sum()) == 50
+    assert int((pipeline.encode({"x": torch.zeros(100)}, 3).sent["x"] != 0).sum()) == 1
 
 
 def test_momentum_factor_masking_zeroes_velocity_where_sent() -> None:

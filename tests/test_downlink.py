@@ -75,3 +75,17 @@ def test_delta_messages_are_smaller(tmp_path: Path) -> None:
     sender.prepare(_weights(1), 2)
     delta = payload_bytes(RecordDict(sender.message_for("a")[0]))
     assert delta < full / 3.5
+
+
+def test_a_sparse_downlink_catches_up_without_overshooting() -> None:
+    """x − x̂ already holds what earlier rounds did not send: each round sends the largest quarter of what is
+    still missing, so a model that stops moving is reached exactly in 4 rounds and the gap never grows."""
+    target = {"w": np.array([8.0, -7.0, 6.0, -5.0, 4.0, -3.0, 2.0, -1.0], dtype=np.float32)}
+    sender = DownlinkSender(["topk:0.25"])
+    sender.prepare({"w": np.zeros(8, dtype=np.float32)}, 1)
+    gaps = []
+    for server_round in range(2, 6):
+        sender.prepare(target, server_round)
+        gaps.append(float(np.abs(target["w"] - sender.reference["w"]).max()))
+    assert gaps == [6.0, 4.0, 2.0, 0.0]
+    assert sender.pipeline.residuals == {}

@@ -87,3 +87,39 @@ def test_every_row_runs_at_the_tiny_size(bench, tmp_path: Path) -> None:
     written = json.loads((tmp_path / "wan_benchmark-tiny.json").read_text())
     assert written["table_markdown"] == (tmp_path / "wan_benchmark-tiny.md").read_text().strip()
     assert "| Flower FedAvg" in written["table_markdown"]
+
+
+def test_a_diverging_row_is_recorded_with_the_rounds_it_completed(bench, tmp_path: Path) -> None:
+    size = bench.SIZES["tiny"]
+    method = next(m for m in bench.methods(size) if m.key == "diloco")
+    doc = bench.experiment(method, size, rounds=2)
+    doc["workload"]["lr"] = 1e12  # AdamW's first step moves every weight by ~lr: the model overflows
+    with pytest.raises(bench.RowFailed, match="round 1: updates refused by the update gate") as failure:
+        bench.drive_crossdc(doc, tmp_path, size.eval_every_steps)
+    assert failure.value.rounds == []
+
+
+def test_a_failed_row_is_reported_and_left_out_of_the_goals(bench) -> None:
+    link = LINK_PROFILES["transoceanic"]
+    size = bench.SIZES["tiny"]
+
+    def row(key: str, loss: float, bytes_: int, tau: int = size.tau, **extra):
+        curve = [{"steps": 4, "bytes": bytes_, "wall_s": 2.0, "val_loss": loss, "val_accuracy": 0.3}]
+        return {"key": key, "label": key, "time_from": "test", "wall_s": 2.0, "compute_s": 1.0, "comm_s": 0.5,
+                "overhead_s": 0.5, "bytes": bytes_, "steps": 4, "curve": curve, "per_round": [{"tau": tau}],
+                "projected_comm_comp_ratio": None, **extra}
+
+    rows = [row("all-workers", 2.0, 0), row("sequential", 2.1, 0), row("sync-dp", 2.0, 10_000_000),
+            row("flower-fedavg", 2.3, 50_000), row("diloco", 2.2, 40_000),
+            {**row("fedavg-dgc", 9.0, 1_000, tau=1), "failed": "round 3: NaN", "curve": [], "steps": 2}]
+    bench.finish_rows(rows)
+    failed = rows[-1]
+    assert failed["val_loss"] is None and failed["gap_all-workers"] is None and failed["time_to_sync_loss_s"] is None
+    assert rows[4]["gap_all-workers"] == pytest.approx(0.1) and rows[4]["bytes_ratio_vs_sync"] == pytest.approx(250)
+    verdicts = bench.goals(rows, size)
+    assert "best crossdc row diloco at +10.0 %" in verdicts[0] and "fedavg-dgc" not in "".join(verdicts)
+    assert "rows: diloco (Flower" in verdicts[3]
+    table = bench.markdown(rows, "tiny", size, link, verdicts)
+    line = next(li for li in table.splitlines() if li.startswith("| fedavg-dgc"))
+    assert "failed after 2 of 4 steps" in line and line.count("|") == table.splitlines()[2].count("|")
+    assert "- fedavg-dgc failed: round 3: NaN" in table

@@ -6,9 +6,10 @@ that produced it. Promises:
 - round 1, and any datacenter whose last acknowledged version is not the previous one (it missed a round, or
   restarted), gets the reference **in full** (dense float32), so nobody ever trains from a model it cannot
   reconstruct;
-- otherwise a datacenter gets the round's **delta** x − x̂ through the downlink codec pipeline (the server
-  keeps its error-feedback residual), and both sides add the decoded delta to x̂: everyone in step holds the
-  same reference;
+- otherwise a datacenter gets the round's **delta** x − x̂ through the downlink codec pipeline, and both sides
+  add the decoded delta to x̂: everyone in step holds the same reference. The reference is the error feedback:
+  what a round does not send stays in the next round's x − x̂, so the pipeline keeps no residual of its own
+  (one would add the unsent part a second time each round, and it would grow geometrically);
 - a datacenter applies a delta only to the reference version it was computed from; a datacenter whose stored
   reference is another version refuses the round (DownlinkOutOfSync), and gets the full reference next time;
 - the server counts a datacenter in step only after an accepted reply to that round.
@@ -42,7 +43,7 @@ class DownlinkSender:
     """The server side (see the module docstring)."""
 
     def __init__(self, specs: Sequence[str], seed: int = 0) -> None:
-        self.pipeline = CodecPipeline(specs, seed=seed)
+        self.pipeline = CodecPipeline(specs, seed=seed, error_feedback=False)
         self.reference: dict[str, np.ndarray] = {}
         self.version = 0
         self.acknowledged: dict[str, int] = {}

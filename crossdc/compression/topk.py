@@ -10,8 +10,11 @@ Options, all off by default:
   (not the raw update) into the residual; momentum-factor masking then zeroes u where values were sent.
 - ``clip=c``: local clipping — an update whose L2 norm exceeds c is scaled down to norm c before it
   is accumulated.
-- ``warmup=R``: sparsity warm-up — the kept fraction starts at 25 % in round 1 and falls geometrically
-  to ``fraction`` at round R + 1 (DGC's 75 % → 93.75 % → … → 99.9 % sparsity).
+- ``warmup=R``: sparsity warm-up — the kept fraction starts at ``warmup_start`` (25 %) in round 1 and falls
+  geometrically to ``fraction`` at round R + 1 (DGC's 75 % → 93.75 % → … → 99.9 % sparsity). On the downlink
+  of a τ = 1 run, ``warmup_start`` = N × the uplink's start and ``fraction`` = N × the uplink's fraction keep
+  up with the union of N datacenters' sparse updates in every round, so the datacenters never train from a
+  lagging model (a downlink that lags at τ = 1 keeps stepping on stale coordinates, and diverges).
 
 The codec sees one update per round: with τ = 1 local step that is DGC's per-step form exactly; with
 τ > 1 the round's update plays the role of the gradient.
@@ -36,12 +39,12 @@ SAMPLE_SIZE = 1 << 16
 WARMUP_START_FRACTION = 0.25
 
 
-def warmup_fraction(server_round: int, target: float, warmup_rounds: int) -> float:
-    """Kept fraction in `server_round` (1-based): 25 % at round 1, geometric to `target` at warmup_rounds + 1."""
-    if warmup_rounds <= 0 or target >= WARMUP_START_FRACTION or server_round > warmup_rounds:
+def warmup_fraction(server_round: int, target: float, warmup_rounds: int, start: float = WARMUP_START_FRACTION) -> float:
+    """Kept fraction in `server_round` (1-based): `start` at round 1, geometric to `target` at warmup_rounds + 1."""
+    if warmup_rounds <= 0 or target >= start or server_round > warmup_rounds:
         return target
     progress = (server_round - 1) / warmup_rounds
-    return WARMUP_START_FRACTION * (target / WARMUP_START_FRACTION) ** progress
+    return start * (target / start) ** progress
 
 
 def kept_count(numel: int, fraction: float) -> int:
@@ -82,7 +85,9 @@ class TopK(StructureCodec):
         "ef": Parameter(bool, True, "keep what is not sent in a residual added to the next update"),
         "momentum": Parameter(float, 0.0, "DGC momentum correction factor (0 = off)", low=0.0, high=0.999),
         "clip": Parameter(float, 0.0, "clip each tensor's update to this L2 norm before accumulating (0 = off)", low=0.0),
-        "warmup": Parameter(int, 0, "rounds of sparsity warm-up from 25 % kept to `fraction`", low=0),
+        "warmup": Parameter(int, 0, "rounds of sparsity warm-up from `warmup_start` kept to `fraction`", low=0),
+        "warmup_start": Parameter(float, WARMUP_START_FRACTION, "fraction kept in the warm-up's first round", low=1e-9,
+                                  high=1.0),
         "threshold": Parameter(str, "auto", "how the k-th magnitude is found", choices=("auto", "exact", "sampled")),
     }
 
@@ -93,7 +98,7 @@ class TopK(StructureCodec):
 
     def fraction(self, server_round: int) -> float:
         """The kept fraction in this round (after warm-up)."""
-        return warmup_fraction(server_round, self.params["fraction"], self.params["warmup"])
+        return warmup_fraction(server_round, self.params["fraction"], self.params["warmup"], self.params["warmup_start"])
 
     def prepare(self, name: str, update: torch.Tensor, state: TensorState) -> torch.Tensor:
         clip = self.params["clip"]
