@@ -6,7 +6,7 @@ TORCH_SPEC ?= torch==2.13.0
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.crossdc-installed
 
-.PHONY: venv demo demo-quick test test-fast clean
+.PHONY: venv demo demo-quick test test-fast bench-wan clean
 
 venv: $(STAMP)
 
@@ -29,6 +29,9 @@ test: venv
 
 test-fast: venv
 	$(BIN)/pytest -q -m "not deployment" -p no:cacheprovider
+
+bench-wan: venv
+	$(BIN)/python benchmarks/wan_benchmark.py
 
 clean:
 	rm -rf $(VENV) runs crossdc.db crossdc.db-wal crossdc.db-shm
