@@ -22,8 +22,9 @@ Methods and how each row is obtained (the table's "time" column says which):
   (sparsity warm-up) + int8, SCAFFOLD, and FedAvg at τ = 1 with DGC's pipeline (top-k with error feedback and
   warm-up, int8; down: the union of the 4 datacenters' top-k, i.e. top-k at 4 × their fraction in every round of
   the warm-up, + int8 — a downlink that lags the union at τ = 1 keeps the datacenters stepping on stale
-  coordinates: loss 2.61 instead of 2.47 after 300 rounds with a plain top-k 4 % downlink). Driven in-process (crossdc.platform.inprocess: the real trainers, codecs, update gate and
-  strategies; Flower's transport left out); bytes are the serialised messages, counted both ways.
+  coordinates: loss 2.61 instead of 2.47 after 300 rounds with a plain top-k 4 % downlink). Driven in-process
+  (crossdc.platform.inprocess: the real trainers, codecs, update gate and strategies; Flower's transport left
+  out); bytes are the serialised messages, counted both ways.
   Tuned on this budget's validation loss, once (full size, DiLoCo alone): outer (lr, momentum) (0.7, 0.9), the
   paper's, ends at 2.184; (1.0, 0.5) at 1.996; (0.7, 0.5) at 1.909, used here — 16 outer steps are too few for a
   0.9 momentum to build up. SCAFFOLD's inner SGD: lr 1.0 diverges (NaN, refused by the update gate), 0.3 is used.
@@ -41,7 +42,7 @@ each measured compute time is that of one core beside one other busy core.
 Projection column: each row's comm/comp ratio at the mission's scale (a 1B-parameter model, 2 s a step), from the
 cost model with the row's τ and measured compression ratios on the same link — a projection, not a measurement.
 
-Usage: python benchmarks/wan_benchmark.py [--size full|tiny] [--jobs 2] [--out benchmarks/results]
+Usage: make bench-wan, or python benchmarks/wan_benchmark.py [--size full|tiny] [--jobs 2] [--out benchmarks/results]
 Writes wan_benchmark.json, wan_benchmark.md and wan_benchmark.html (plotly: validation loss vs bytes and vs time).
 """
 

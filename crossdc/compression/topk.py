@@ -14,7 +14,7 @@ Options, all off by default:
   geometrically to ``fraction`` at round R + 1 (DGC's 75 % → 93.75 % → … → 99.9 % sparsity). On the downlink
   of a τ = 1 run, ``warmup_start`` = N × the uplink's start and ``fraction`` = N × the uplink's fraction keep
   up with the union of N datacenters' sparse updates in every round, so the datacenters never train from a
-  lagging model (a downlink that lags at τ = 1 keeps stepping on stale coordinates, and diverges).
+  lagging model (one that lags at τ = 1 keeps them stepping on stale coordinates, and trains worse).
 
 The codec sees one update per round: with τ = 1 local step that is DGC's per-step form exactly; with
 τ > 1 the round's update plays the role of the gradient.
