@@ -381,17 +381,19 @@ def _bytes(n: float) -> str:
 
 
 def markdown(rows: list[dict[str, Any]], size_name: str, size: Size, link: LinkSpec, verdicts: list[str]) -> str:
+    # the figures between "val loss" and "time from", each "—" in a row that failed
+    figures = ["gap all-workers", "gap sequential", "WAN bytes", "bytes vs sync", "time", "compute-only", "time / compute",
+               "comm/comp", "overhead share", "time to sync's loss"]
     lines = [f"Shakespeare char-transformer, 4 datacenters (natural partition), {link.describe()}, "
              f"{size.steps} local steps of batch {BATCH} per datacenter for every method ({size_name} size).",
              "",
-             "| method | val loss | gap all-workers | gap sequential | WAN bytes | bytes vs sync | time | "
-             "compute-only | time / compute | comm/comp | overhead share | time to sync's loss | time from | "
-             "comm/comp at 1B params, 2 s/step (projected) |",
-             "| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | --- | ---: |"]
+             "| " + " | ".join(["method", "val loss", *figures, "time from",
+                                "comm/comp at 1B params, 2 s/step (projected)"]) + " |",
+             "| --- | ---: |" + " ---: |" * len(figures) + " --- | ---: |"]
     for r in rows:
         if r.get("failed"):
             lines.append(f"| {r['label']} | failed after {r['steps']} of {size.steps} steps (below) |"
-                         + " — |" * 10 + f" {r['time_from']} | — |")
+                         + " — |" * len(figures) + f" {r['time_from']} | — |")
             continue
         lines.append(
             f"| {r['label']} | {r['val_loss']:.3f} | {100 * r['gap_all-workers']:+.1f} % | {100 * r['gap_sequential']:+.1f} % | "
@@ -456,9 +458,8 @@ def task(key: str, size_name: str, root: str, threads: int) -> dict[str, Any]:
             tensors = 2 if method.strategy == "scaffold" else 1  # one packed Array per tensor group
             measured = timeline(per_round, link, tensors)
             time_from = "cost model for the link, measured compute and platform time"
-        row = {"key": key, "label": method.label, "time_from": time_from, "config": doc, "per_round": per_round, **measured}
-        if failed is not None:
-            row["failed"] = failed
+        row = {"key": key, "label": method.label, "time_from": time_from, "config": doc, "per_round": per_round,
+               "failed": failed, **measured}
     row["benchmark_wall_s"] = time.perf_counter() - started
     outcome = (f"FAILED after {row['steps']} steps: {row['failed']}" if row.get("failed") else
                f"val loss {row['curve'][-1]['val_loss']:.4f}  bytes {row['bytes']:>13,d}  time {row['wall_s']:.0f}s")

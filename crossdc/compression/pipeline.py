@@ -121,14 +121,14 @@ def build_pipeline_codecs(specs: Sequence[str]) -> tuple[StructureCodec | None, 
 class CodecPipeline:
     """A datacenter's (or the server's downlink) codec pipeline with its per-tensor state."""
 
-    def __init__(self, specs: Sequence[str], seed: int = 0, error_feedback: bool | None = None) -> None:
-        """`error_feedback`: None — as the codecs ask (each one's ``ef``); False — never keep a residual, for a
+    def __init__(self, specs: Sequence[str], seed: int = 0, error_feedback: bool = True) -> None:
+        """`error_feedback`: True — a residual where the codecs ask for one (each one's ``ef``); False — never, for a
         caller whose update already carries everything not yet sent (the downlink's x − x̂: a residual on top
         of it would count the unsent part again every round, and grow it geometrically)."""
         self.structure, self.values = build_pipeline_codecs(specs)
         self.specs = list(specs)
-        asked = any(bool(c.params.get("ef", c.error_feedback)) for c in (self.structure, self.values) if c)
-        self.error_feedback = asked if error_feedback is None else error_feedback and asked
+        self.error_feedback = error_feedback and any(
+            bool(c.params.get("ef", c.error_feedback)) for c in (self.structure, self.values) if c)
         self.generator = torch.Generator().manual_seed(seed)
         if self.structure is not None:
             setattr(self.structure, "generator", self.generator)
