@@ -1,7 +1,7 @@
 """Asynchronous vs synchronous with one slow datacenter: time to a target validation loss for FedAvg, FedAsync, FedBuff.
 
-Engine: real runs (crossdc.platform.local_run.run_local) on Flower's simulation engine — the real ServerApp (the
-synchronous loop for FedAvg, crossdc.platform.async_federation for FedAsync and FedBuff), the real ClientApp and
+Engine: real runs (crossdc.orchestration.local_run.run_local) on Flower's simulation engine — the real ServerApp (the
+synchronous loop for FedAvg, crossdc.federation.async_loop for FedAsync and FedBuff), the real ClientApp and
 the persistent trainers; no WAN links (simulation has none). Time is the federation's own wall clock (the sum of
 the ``rounds`` rows' ``wall_s``, from the first task to the version that reaches the target), so process start-up
 is left out.
@@ -33,13 +33,13 @@ from typing import Any
 
 from crossdc.db.engine import make_engine
 from crossdc.db.queries import list_async_updates, list_datacenter_rounds, list_rounds
-from crossdc.platform.config import parse_config
-from crossdc.platform.local_run import LocalRunOptions, run_local
+from crossdc.experiment.config import parse_config
+from crossdc.orchestration.local_run import LocalRunOptions, run_local
 
 from results_file import write_results
 
-ENGINE = ("real runs on Flower's simulation engine (crossdc.platform.local_run, engine=simulation): real ServerApp "
-          "(synchronous loop / crossdc.platform.async_federation), ClientApp and persistent trainers; no WAN links")
+ENGINE = ("real runs on Flower's simulation engine (crossdc.orchestration.local_run, engine=simulation): real ServerApp "
+          "(synchronous loop / crossdc.federation.async_loop), ClientApp and persistent trainers; no WAN links")
 DATACENTERS = (("dc-1", 1.0), ("dc-2", 1.0), ("dc-3", 1.0), ("slow", 0.25))
 SPEED_SCALE = 0.4
 TAU = 300

@@ -7,7 +7,7 @@ the uncompressed run of the same strategy, total upload bytes (the real encoded 
 included), the compression ratio against the uncompressed run, and the median share of the update's
 energy each round's payload carried (‖sent‖² / ‖update + residual‖²).
 
-Engine: in-process round driving (crossdc.platform.inprocess): each datacenter is the real LocalTrainer and
+Engine: in-process round driving (crossdc.testing.inprocess): each datacenter is the real LocalTrainer and
 state store driven by run_local_round, which encodes the update with the run's CodecPipeline (its residuals in
 the state store), and the server decodes the real payload bytes before the update gate and the strategy's
 aggregate. Flower's transport is left out; a Flower message adds ~70 bytes of framing per reply, also left out.
@@ -30,8 +30,8 @@ from typing import Any
 
 import torch
 
-from crossdc.platform.config import parse_config
-from crossdc.platform.inprocess import InProcessFederation
+from crossdc.experiment.config import parse_config
+from crossdc.testing.inprocess import InProcessFederation
 
 RESULTS = Path(__file__).parent / "results"
 PIPELINES: dict[str, list[str]] = {

@@ -56,7 +56,7 @@ from sqlalchemy.engine import make_url
 from crossdc.db.engine import make_engine, upgrade
 from crossdc.db.models import DATACENTER_ROUNDS, EVENTS, ROUNDS, RUNS
 from crossdc.db.runlog import RunLog
-from crossdc.platform.processes import free_port, wait_for_port
+from crossdc.experiment.processes import free_port, wait_for_port
 
 HERE = Path(__file__).resolve().parent
 RUN_ID = "bench-run"

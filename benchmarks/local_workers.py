@@ -25,10 +25,10 @@ import time
 from pathlib import Path
 
 from crossdc.clients.channel import call_trainer
-from crossdc.clients.local_training import model_weights
-from crossdc.platform.config import parse_config
-from crossdc.platform.experiment import build_workload, initial_model
-from crossdc.platform.rundir import RunDir
+from crossdc.workloads import model_weights
+from crossdc.experiment.config import parse_config
+from crossdc.experiment.builders import build_workload, initial_model
+from crossdc.experiment.rundir import RunDir
 
 HERE = Path(__file__).resolve().parent
 

@@ -22,9 +22,9 @@ from typing import Any
 
 from crossdc.db.engine import make_engine
 from crossdc.db.queries import get_run, list_datacenter_rounds
-from crossdc.platform.config import load_config, with_rounds
-from crossdc.platform.local_run import LocalRunOptions, run_local
-from crossdc.platform.processes import free_port
+from crossdc.experiment.config import load_config, with_rounds
+from crossdc.orchestration.local_run import LocalRunOptions, run_local
+from crossdc.experiment.processes import free_port
 
 HERE = Path(__file__).resolve().parent
 FIELDS = ("round_s", "compute_s", "comm_s", "overhead_s")

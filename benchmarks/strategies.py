@@ -1,11 +1,11 @@
 """Strategies on non-IID data: FedAvg vs FedProx vs SCAFFOLD (digits, Dirichlet α = 0.1), DiLoCo vs FedAvg (Shakespeare).
 
-Engine: in-process round driving (crossdc.platform.inprocess.InProcessFederation): every datacenter is the real
+Engine: in-process round driving (crossdc.testing.inprocess.InProcessFederation): every datacenter is the real
 LocalTrainer + state store driven by run_local_round — exactly the persistent trainer's round, with each
 strategy's local hooks (FedProx's proximal term, SCAFFOLD's correction and c_i in the state store) — and the
 server step is the real Strategy.aggregate behind the update gate. Flower's transport is left out (on this
 2-core machine it would only add its fixed 3 s polls per round); the all-workers baseline is
-crossdc.platform.baselines.run_baseline itself.
+crossdc.orchestration.baselines.run_baseline itself.
 
 (a) digits, 6 datacenters, Dirichlet α = 0.1, inner SGD (SCAFFOLD is defined for SGD; the same for all),
     τ ∈ {10, 50}: rounds until the validation accuracy first reaches the target, for FedAvg, FedProx, SCAFFOLD.
@@ -28,13 +28,13 @@ from typing import Any
 
 import torch
 
-from crossdc.platform.baselines import run_baseline
-from crossdc.platform.config import parse_config
-from crossdc.platform.inprocess import InProcessFederation
+from crossdc.orchestration.baselines import run_baseline
+from crossdc.experiment.config import parse_config
+from crossdc.testing.inprocess import InProcessFederation
 
 from results_file import write_results
 
-ENGINE = ("in-process round driving (crossdc.platform.inprocess): real LocalTrainer + run_local_round per datacenter, "
+ENGINE = ("in-process round driving (crossdc.testing.inprocess): real LocalTrainer + run_local_round per datacenter, "
           "real Strategy.aggregate behind the update gate; no Flower transport")
 DIGITS_TARGET = 0.90
 DIGITS_SEEDS = (0, 1, 2)

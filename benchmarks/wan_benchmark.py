@@ -7,23 +7,23 @@ Budget: the same number of gradient computations for every method — STEPS loca
 (800 in the full size: 16 rounds at τ = 50, 800 rounds at τ = 1), i.e. 4 × 800 batches in all.
 
 Methods and how each row is obtained (the table's "time" column says which):
-- single-datacenter baselines (crossdc.platform.baselines, run here): `all-workers` (one datacenter with the 4
+- single-datacenter baselines (crossdc.orchestration.baselines, run here): `all-workers` (one datacenter with the 4
   datacenters' workers: global batch 128, STEPS steps) and `sequential` (one worker, batch 32, 4 × STEPS steps).
   Their compute-only time is measured; all-workers' is its measured time divided by 4 (4 workers in parallel,
   intra-datacenter all-reduce taken as free).
 - synchronous data parallel across datacenters (τ = 1, fp32 gradients averaged every step, ring all-reduce over
   the WAN): its training is the all-workers baseline's (averaging 4 datacenters' batch-32 gradients is one step on
   their 128 examples; the baseline draws its 128 from the pooled data instead of 32 per datacenter), its time and
-  bytes come from the cost model (crossdc.platform.cost_model.ring_allreduce_time) with the measured compute.
+  bytes come from the cost model (crossdc.wan.cost_model.ring_allreduce_time) with the measured compute.
 - Flower's own FedAvg (flwr.serverapp.strategy.FedAvg, unchanged) with a plain ClientApp at τ = 50
-  (crossdc.platform.flower_baseline), run in Flower's simulation engine; each of its messages carries one Array per
+  (crossdc.testing.flower_baseline), run in Flower's simulation engine; each of its messages carries one Array per
   model tensor, which the time model counts (more objects, more round trips in Flower's protocol).
 - crossdc: FedAvg with a τ warm-up, DiLoCo (outer Nesterov, lr 0.7, momentum 0.5), DiLoCo + int8, DiLoCo + top-k 1 %
   (sparsity warm-up) + int8, SCAFFOLD, and FedAvg at τ = 1 with DGC's pipeline (top-k with error feedback and
   warm-up, int8; down: the union of the 4 datacenters' top-k, i.e. top-k at 4 × their fraction in every round of
   the warm-up, + int8 — a downlink that lags the union at τ = 1 keeps the datacenters stepping on stale
   coordinates: loss 2.61 instead of 2.47 after 300 rounds with a plain top-k 4 % downlink). Driven in-process
-  (crossdc.platform.inprocess: the real trainers, codecs, update gate and strategies; Flower's transport left
+  (crossdc.testing.inprocess: the real trainers, codecs, update gate and strategies; Flower's transport left
   out); bytes are the serialised messages, counted both ways.
   Tuned on this budget's validation loss, once (full size, DiLoCo alone): outer (lr, momentum) (0.7, 0.9), the
   paper's, ends at 2.184; (1.0, 0.5) at 1.996; (0.7, 0.5) at 1.909, used here — 16 outer steps are too few for a
@@ -61,13 +61,13 @@ from typing import Any
 
 import torch
 
-from crossdc.platform.baselines import run_baseline
-from crossdc.platform.config import parse_config
-from crossdc.platform.cost_model import (CROSSDC_RECORDS_PER_MESSAGE, StarPlan, flower_round_trips, ring_allreduce_time,
+from crossdc.orchestration.baselines import run_baseline
+from crossdc.experiment.config import parse_config
+from crossdc.wan.cost_model import (CROSSDC_RECORDS_PER_MESSAGE, StarPlan, flower_round_trips, ring_allreduce_time,
                                          star_round, sync_dp_step, transfer_time, uniform_datacenters)
-from crossdc.platform.flower_baseline import run_flower_fedavg
-from crossdc.platform.inprocess import InProcessFederation
-from crossdc.platform.links import LINK_PROFILES, LinkSpec
+from crossdc.testing.flower_baseline import run_flower_fedavg
+from crossdc.testing.inprocess import InProcessFederation
+from crossdc.experiment.links import LINK_PROFILES, LinkSpec
 from crossdc.strategies.schedule import tau_for_round
 
 from results_file import write_results
@@ -507,7 +507,7 @@ def run(size_name: str, out: Path, only: list[str] | None = None, jobs: int = 2,
 
 
 def build_model_for(size: Size) -> torch.nn.Module:
-    from crossdc.platform.experiment import build_workload, initial_model
+    from crossdc.experiment.builders import build_workload, initial_model
 
     config = parse_config(experiment(Method("model", "", "crossdc"), size, rounds_for_budget(size.tau, size.steps)))
     return initial_model(config, build_workload(config))

@@ -33,7 +33,7 @@ admin_app = typer.Typer(no_args_is_help=True, help="Operator tasks: API tokens (
 app.add_typer(admin_app, name="admin")
 
 DB_OPTION = typer.Option(None, "--db", help="Database URL (else $CROSSDC_DATABASE_URL, else sqlite:///crossdc.db).")
-DEMO_CONFIG = Path(__file__).parent / "platform" / "demo.toml"
+DEMO_CONFIG = Path(__file__).parent / "orchestration" / "demo.toml"
 
 
 def fail(message: str, code: int = 2) -> NoReturn:
@@ -44,17 +44,17 @@ def fail(message: str, code: int = 2) -> NoReturn:
 def _user_errors() -> tuple[type[BaseException], ...]:
     from crossdc.clients.channel import TrainerFailed, TrainerUnavailable
     from crossdc.db.errors import DatabaseUnavailable
-    from crossdc.platform.config import ConfigError
-    from crossdc.platform.local_run import RunFailed
-    from crossdc.platform.processes import PortInUse
+    from crossdc.experiment.config import ConfigError
+    from crossdc.orchestration.local_run import RunFailed
+    from crossdc.experiment.processes import PortInUse
     from crossdc.strategies.base import StrategyError
     from crossdc.workloads import WorkloadError
 
     from crossdc.clients.enroll import EnrollmentError
     from crossdc.clients.node_runner import NodeFailed
     from crossdc.db.security import TokenError
-    from crossdc.platform.superlink_control import ControlError
-    from crossdc.platform.tls import CertificateError
+    from crossdc.deployment.superlink_control import ControlError
+    from crossdc.deployment.tls import CertificateError
 
     errors: list[type[BaseException]] = [ConfigError, StrategyError, WorkloadError, PortInUse, RunFailed,
                                           DatabaseUnavailable, TrainerFailed, TrainerUnavailable, CertificateError, NodeFailed,
@@ -74,8 +74,8 @@ def _one_line(err: BaseException) -> str:
 
 def _load_and_check(config_path: Path) -> Any:
     """Parse the config and build what it names now, so a bad name fails before anything starts."""
-    from crossdc.platform.config import load_config
-    from crossdc.platform.experiment import build_strategy, build_workload
+    from crossdc.experiment.config import load_config
+    from crossdc.experiment.builders import build_strategy, build_workload
 
     config = load_config(config_path)
     build_strategy(config)
@@ -94,7 +94,7 @@ def _print_round(rows: list[dict[str, Any]], total: int) -> None:
 def _run_experiment(config: Any, db_url: str, engine: str, port: int, runs_dir: Path, quiet: bool,
                     superlink: str | None = None, detach: bool = False, superlink_ca: Path | None = None,
                     run_id: str | None = None, resume: bool = False) -> dict[str, Any]:
-    from crossdc.platform.local_run import Detached, LocalRunOptions, run_local
+    from crossdc.orchestration.local_run import Detached, LocalRunOptions, run_local
 
     total = config.run.rounds
     progress = None if quiet else (lambda rows: _print_round(rows, total))
@@ -157,7 +157,7 @@ def run(
 ) -> None:
     """Run one experiment locally; prints the run id."""
     from crossdc.db.engine import resolve_database_url, upgrade
-    from crossdc.platform.baselines import BASELINE_KINDS, gap_to, matching_baselines, run_baseline
+    from crossdc.orchestration.baselines import BASELINE_KINDS, gap_to, matching_baselines, run_baseline
 
     if detach and superlink is None:
         fail("--detach needs --superlink (a local run stops with this command)")
@@ -216,10 +216,12 @@ def demo(
 ) -> None:
     """4 datacenters, naturally non-IID Shakespeare, over emulated transoceanic links; then both single-datacenter
     baselines and a comparison table. The dashboard's URL is printed at the start."""
-    from crossdc.platform.demo import run_demo
+    from crossdc.dashboard.app import create_app
+    from crossdc.orchestration.demo import run_demo
 
     stay = sys.stdin.isatty() and sys.stdout.isatty() if keep_serving is None else keep_serving
-    run_demo(DEMO_CONFIG, quick=quick, db=db, port=port, runs_dir=runs_dir, dashboard_port=dashboard_port, keep_serving=stay)
+    run_demo(DEMO_CONFIG, quick=quick, db=db, port=port, runs_dir=runs_dir, dashboard_port=dashboard_port, keep_serving=stay,
+             dashboard=create_app)
 
 
 @app.command()
@@ -235,9 +237,9 @@ def resume(
     """Continue a run whose coordinator died from its newest checkpoint, under the same run id."""
     from crossdc.db.engine import make_engine, resolve_database_url, safe_url, upgrade
     from crossdc.db.queries import get_run
-    from crossdc.platform.config import parse_config
-    from crossdc.platform.local_run import coordinator_alive
-    from crossdc.platform.rundir import RunDir
+    from crossdc.experiment.config import parse_config
+    from crossdc.orchestration.local_run import coordinator_alive
+    from crossdc.experiment.rundir import RunDir
 
     if engine not in ("deployment", "simulation"):
         fail(f"unknown engine '{engine}'; known: deployment, simulation")
@@ -261,7 +263,7 @@ def resume(
     config = parse_config(settings["config"])
     if config.checkpoint.every_rounds <= 0 or not settings.get("checkpoint_url"):
         fail(f"run '{run_id}' took no checkpoints ([checkpoint] every_rounds = 0): nothing to resume from")
-    from crossdc.platform.experiment import build_strategy
+    from crossdc.experiment.builders import build_strategy
 
     build_strategy(config)  # an asynchronous strategy refuses checkpoints (not implemented yet)
     typer.echo(f"run {run_id}: resuming {config.run.name} from its newest checkpoint", err=True)
@@ -288,8 +290,8 @@ def serve(
 
     from crossdc.dashboard.app import create_app
     from crossdc.db.engine import absolute_database_url, resolve_database_url, safe_url
-    from crossdc.platform.processes import ensure_port_free
-    from crossdc.platform.superlink_control import SuperLinkControl
+    from crossdc.experiment.processes import ensure_port_free
+    from crossdc.deployment.superlink_control import SuperLinkControl
 
     if (certfile is None) != (keyfile is None):
         fail("give both --certfile and --keyfile, or neither")
@@ -372,7 +374,7 @@ def plan(
     """The cost model: time per round, comm/comp and utilisation, and the tau or compression that bring comm/comp under a target."""
     from dataclasses import asdict
 
-    from crossdc.platform import cost_model as cm
+    from crossdc.wan import cost_model as cm
 
     try:
         spec = cm.resolve_link(link, bandwidth_mbps, rtt_ms)
@@ -437,7 +439,7 @@ def certs(
     force: bool = typer.Option(False, "--force", help="Replace existing certificates."),
 ) -> None:
     """Create a private CA and a server certificate for a test or small deployment (production brings its own)."""
-    from crossdc.platform.tls import make_certificates
+    from crossdc.deployment.tls import make_certificates
 
     paths = make_certificates(out, host, days=days, force=force)
     typer.echo(f"CA certificate (give it to every datacenter): {paths.ca_cert}")
@@ -458,8 +460,8 @@ def front(
     """Serve the Fleet API of a private SuperLink to datacenters, refusing everything else (Control API included)."""
     import uvicorn
 
-    from crossdc.platform.fleet_front import FrontStats, front_config
-    from crossdc.platform.processes import ensure_port_free
+    from crossdc.deployment.fleet_front import FrontStats, front_config
+    from crossdc.experiment.processes import ensure_port_free
 
     if not insecure and (certfile is None or keyfile is None):
         fail("the front serves TLS: give --certfile and --keyfile (make them with `crossdc certs`), or --insecure on loopback")
@@ -479,7 +481,7 @@ def front(
 def runs_follow(run_id: str, db: str | None = DB_OPTION) -> None:
     """Follow a run in the run log until it ends (e.g. one submitted with --superlink --detach)."""
     from crossdc.db.engine import resolve_database_url
-    from crossdc.platform.follow import follow_run
+    from crossdc.orchestration.follow import follow_run
 
     summary = follow_run(resolve_database_url(db), run_id, progress=lambda rows: _print_round(rows, len(rows)))
     typer.echo(f"run {run_id} finished", err=True)

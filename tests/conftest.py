@@ -16,7 +16,7 @@ import pytest
 from sqlalchemy.engine import make_url
 
 from crossdc.db.engine import make_engine, upgrade
-from crossdc.platform.processes import is_running
+from crossdc.experiment.processes import is_running
 from crossdc.db.queries import get_run, list_datacenter_rounds, list_events, list_rounds
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
@@ -51,7 +51,7 @@ def client_app_altering_replies(alter: Any) -> Any:
     from flwr.clientapp import ClientApp
 
     from crossdc.clients import client_app as real
-    from crossdc.compression.payload import CONFIG_KEY
+    from crossdc.protocol import CONFIG_KEY, DATACENTER
 
     app = ClientApp()
 
@@ -62,7 +62,7 @@ def client_app_altering_replies(alter: Any) -> Any:
     @app.train()
     def train(msg: Message, context: Context) -> Message:
         reply = real.train(msg, context)
-        alter(str(msg.content[CONFIG_KEY][real.DATACENTER]), reply)
+        alter(str(msg.content[CONFIG_KEY][DATACENTER]), reply)
         return reply
 
     return app
@@ -197,8 +197,8 @@ def _via(url: str, relay: TcpRelay) -> str:
 def authenticating_superlink(directory: Path) -> Iterator[tuple[str, Any]]:
     """A real flower-superlink with SuperNode authentication (so TLS, with `crossdc certs` certificates) on a free
     loopback port; yields its address and the certificate paths, and stops it afterwards."""
-    from crossdc.platform.processes import ProcessGroup, flower_env, free_port, wait_for_port
-    from crossdc.platform.tls import make_certificates
+    from crossdc.experiment.processes import ProcessGroup, flower_env, free_port, wait_for_port
+    from crossdc.deployment.tls import make_certificates
 
     certs = make_certificates(directory / "certs", ["127.0.0.1", "localhost"])
     port = free_port()

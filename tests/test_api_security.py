@@ -22,9 +22,9 @@ from crossdc.db.models import API_TOKENS
 from crossdc.db.runlog import RunLog
 from crossdc.db.security import (TokenError, audit_entries, create_token, generate_token, hash_token, revoke_token,
                                  role_allows)
-from crossdc.platform.background_server import BackgroundServer, start_background, uvicorn_config
-from crossdc.platform.processes import free_port
-from crossdc.platform.superlink_control import PublicKeyError, SuperLinkControl, check_public_key
+from crossdc.deployment.background_server import BackgroundServer, start_background, uvicorn_config
+from crossdc.experiment.processes import free_port
+from crossdc.deployment.superlink_control import PublicKeyError, SuperLinkControl, check_public_key
 
 
 @dataclass

@@ -20,12 +20,12 @@ import numpy as np
 import pytest
 
 from conftest import read_run
-from crossdc.clients.local_training import model_weights
+from crossdc.workloads import model_weights
 from crossdc.db.engine import make_engine
 from crossdc.db.queries import list_async_updates
-from crossdc.platform.config import load_config, parse_config
-from crossdc.platform.experiment import build_workload, initial_model
-from crossdc.platform.local_run import LocalRunOptions, LocalRunResult, run_local
+from crossdc.experiment.config import load_config, parse_config
+from crossdc.experiment.builders import build_workload, initial_model
+from crossdc.orchestration.local_run import LocalRunOptions, LocalRunResult, run_local
 from crossdc.workloads import evaluate
 
 CONFIG = Path(__file__).resolve().parents[1] / "examples" / "synthetic-2dc.toml"

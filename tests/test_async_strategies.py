@@ -13,9 +13,9 @@ import numpy as np
 import pytest
 
 from crossdc.clients import local_training
-from crossdc.platform.async_federation import merge_rows
-from crossdc.platform.config import ConfigError, parse_config
-from crossdc.platform.experiment import build_strategy, build_workload
+from crossdc.federation.async_loop import merge_rows
+from crossdc.experiment.config import ConfigError, parse_config
+from crossdc.experiment.builders import build_strategy, build_workload
 from crossdc.strategies import staleness as st
 from crossdc.strategies.base import ClientUpdate, RunInfo, StrategyError
 from crossdc.strategies.fedasync import FedAsync, fedasync_step

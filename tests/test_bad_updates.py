@@ -18,11 +18,11 @@ from flwr.app import Message
 from flwr.clientapp import ClientApp
 
 from crossdc.clients import client_app as real
-from crossdc.compression.payload import decode_tensors, encode_tensors
+from crossdc.protocol import decode_tensors, encode_tensors
 from conftest import client_app_altering_replies, read_run
-from crossdc.platform.config import ExperimentConfig, load_config, parse_config
-from crossdc.platform.inprocess import InProcessFederation
-from crossdc.platform.local_run import LocalRunOptions, run_local
+from crossdc.experiment.config import ExperimentConfig, load_config, parse_config
+from crossdc.testing.inprocess import InProcessFederation
+from crossdc.orchestration.local_run import LocalRunOptions, run_local
 
 CONFIG = Path(__file__).resolve().parents[1] / "examples" / "synthetic-2dc.toml"
 BAD_DATACENTER = "eu-west"

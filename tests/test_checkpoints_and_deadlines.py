@@ -7,8 +7,9 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from crossdc.platform.checkpoints import CheckpointError, CheckpointStore
-from crossdc.platform.deadline import DeadlinePolicy, datacenter_deadline, round_deadline
+from crossdc.federation.checkpoints import CheckpointError, CheckpointStore
+from crossdc.experiment.config import DeadlinePolicy
+from crossdc.federation.deadline import datacenter_deadline, round_deadline
 
 
 def _state(server_round: int) -> dict:

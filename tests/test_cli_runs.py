@@ -13,7 +13,7 @@ import pytest
 from conftest import CROSSDC, interruptible  # noqa: E402
 from crossdc.db.engine import make_engine
 from crossdc.db.queries import list_datacenter_rounds, list_rounds, list_runs
-from crossdc.platform.processes import free_port
+from crossdc.experiment.processes import free_port
 
 REPO = Path(__file__).resolve().parents[1]
 CONFIG = REPO / "examples" / "synthetic-2dc.toml"

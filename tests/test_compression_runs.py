@@ -14,9 +14,9 @@ from flwr.common.serde import recorddict_to_proto
 
 from conftest import client_app_altering_replies, read_run
 from crossdc.clients import client_app as real
-from crossdc.compression.payload import COMPRESSED_KEY, compressed_payload, encode_compressed, payload_bytes
-from crossdc.platform.config import parse_config
-from crossdc.platform.local_run import LocalRunOptions, run_local
+from crossdc.protocol import COMPRESSED_KEY, compressed_payload, encode_compressed, payload_bytes
+from crossdc.experiment.config import parse_config
+from crossdc.orchestration.local_run import LocalRunOptions, run_local
 
 REPO = Path(__file__).resolve().parents[1]
 BAD_DATACENTER = "eu-west"
@@ -24,7 +24,7 @@ BAD_DATACENTER = "eu-west"
 
 def shakespeare_config(codecs: list[str], downlink_codecs: list[str] | None = None) -> dict:
     """2 datacenters, a ~400k-parameter char transformer, 3 rounds of τ = 5: the same for every codec list."""
-    doc = tomllib.loads((REPO / "crossdc" / "platform" / "demo.toml").read_text())
+    doc = tomllib.loads((REPO / "crossdc" / "orchestration" / "demo.toml").read_text())
     doc["run"].update(rounds=3, name="compression-" + ("-".join(codecs) or "none"))
     doc["workload"]["model_args"].update(d_model=128)
     doc["strategy"]["tau"] = {"start": 5, "end": 5, "warmup_rounds": 0}

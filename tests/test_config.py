@@ -11,7 +11,7 @@ from typing import Any
 
 import pytest
 
-from crossdc.platform.config import (
+from crossdc.experiment.config import (
     ConfigError,
     ExperimentConfig,
     SecuritySection,
@@ -108,7 +108,7 @@ def test_examples_parse(path: Path) -> None:
 
 
 def test_bundled_demo_config_parses() -> None:
-    config = load_config(REPO / "crossdc" / "platform" / "demo.toml")
+    config = load_config(REPO / "crossdc" / "orchestration" / "demo.toml")
     assert len(config.datacenters) == 4
 
 
@@ -347,8 +347,8 @@ def test_checkpoint_and_deadline_errors(path: str, value: Any, key: str) -> None
 
 
 def test_checkpoint_and_deadline_values() -> None:
-    from crossdc.platform.config import CheckpointSection
-    from crossdc.platform.deadline import DeadlinePolicy
+    from crossdc.experiment.config import CheckpointSection
+    from crossdc.experiment.config import DeadlinePolicy
 
     assert parse_config(minimal()).checkpoint == CheckpointSection(0, "checkpoints/", 3)
     doc = with_changes("checkpoint", {"every_rounds": 5, "dir": "s3://bucket/ckpt", "keep": 0})

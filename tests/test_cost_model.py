@@ -10,7 +10,7 @@ from dataclasses import replace
 import pytest
 
 from conftest import CROSSDC  # noqa: E402
-from crossdc.platform.cost_model import (
+from crossdc.wan.cost_model import (
     FLOWER_CHUNK_BYTES,
     CostModelError,
     Datacenter,
@@ -26,7 +26,7 @@ from crossdc.platform.cost_model import (
     transfer_time,
     uniform_datacenters,
 )
-from crossdc.platform.links import LINK_PROFILES, LinkSpec
+from crossdc.experiment.links import LINK_PROFILES, LinkSpec
 
 LINK_100M_100MS = LinkSpec("test", bandwidth_mbps=100.0, rtt_ms=100.0)
 

@@ -41,7 +41,7 @@ from crossdc.db.engine import head_revisions, make_engine, upgrade
 from crossdc.db.models import RUNS
 from crossdc.db.queries import list_async_updates, list_events
 from crossdc.db.runlog import RunLog
-from crossdc.platform.processes import free_port, wait_for_port
+from crossdc.experiment.processes import free_port, wait_for_port
 
 REPO = Path(__file__).resolve().parents[1]
 CONFIG = REPO / "examples" / "synthetic-2dc.toml"

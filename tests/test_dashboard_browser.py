@@ -32,7 +32,7 @@ from crossdc.db.engine import make_engine, upgrade
 from crossdc.db.models import DATACENTER_ROUNDS, ROUNDS, RUNS
 from crossdc.db.queries import list_datacenter_rounds, list_rounds
 from crossdc.db.runlog import RunLog, utcnow
-from crossdc.platform.processes import free_port, wait_for_port
+from crossdc.experiment.processes import free_port, wait_for_port
 
 playwright_sync = pytest.importorskip("playwright.sync_api")
 

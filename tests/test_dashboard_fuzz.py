@@ -28,7 +28,7 @@ from crossdc.db.engine import make_engine, upgrade
 from crossdc.db.models import RUNS
 from crossdc.db.runlog import RunLog
 from crossdc.db.security import create_token
-from crossdc.platform.superlink_control import SuperLinkControl
+from crossdc.deployment.superlink_control import SuperLinkControl
 
 RUN_IDS = ("fuzz-sync", "fuzz-async", "fuzz-dead")
 MAX_EXAMPLES = 20  # per operation and mode: a few seconds in all

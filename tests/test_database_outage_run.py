@@ -11,9 +11,9 @@ from sqlalchemy import Engine
 
 from crossdc.db.engine import make_engine, upgrade
 from crossdc.db.queries import list_rounds, list_runs
-from crossdc.platform.config import load_config, with_rounds
-from crossdc.platform.local_run import LocalRunOptions, RunFailed, run_local
-from crossdc.platform.processes import free_port
+from crossdc.experiment.config import load_config, with_rounds
+from crossdc.orchestration.local_run import LocalRunOptions, RunFailed, run_local
+from crossdc.experiment.processes import free_port
 
 from conftest import read_run, via_relay
 from tcp_relay import TcpRelay

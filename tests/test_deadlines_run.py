@@ -12,8 +12,8 @@ from typing import Any
 import pytest
 
 from conftest import read_run
-from crossdc.platform.config import parse_config
-from crossdc.platform.local_run import LocalRunOptions, run_local
+from crossdc.experiment.config import parse_config
+from crossdc.orchestration.local_run import LocalRunOptions, run_local
 
 REPO = Path(__file__).resolve().parents[1]
 SLOW, FAST = "eu-west", "us-east"

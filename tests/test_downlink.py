@@ -8,10 +8,10 @@ import numpy as np
 import pytest
 from flwr.app import RecordDict
 
-from crossdc.clients.client_app import global_model
+from crossdc.protocol import global_model
 from crossdc.clients.state_store import DatacenterStateStore
 from crossdc.compression.downlink import DownlinkOutOfSync, DownlinkSender, receive
-from crossdc.compression.payload import CONFIG_KEY
+from crossdc.protocol import CONFIG_KEY
 from flwr.app import ConfigRecord
 
 SHAPES = {"w": (40, 30), "b": (30,)}
@@ -66,7 +66,7 @@ def test_a_delta_for_another_version_is_refused(tmp_path: Path) -> None:
 
 
 def test_delta_messages_are_smaller(tmp_path: Path) -> None:
-    from crossdc.compression.payload import payload_bytes
+    from crossdc.protocol import payload_bytes
 
     sender = DownlinkSender(["int8"])
     sender.prepare(_weights(0), 1)

@@ -17,7 +17,8 @@ import numpy as np
 import pytest
 import torch
 
-from crossdc.clients.local_training import BatchStream, LocalTrainer, load_model_weights, model_weights
+from crossdc.clients.local_training import BatchStream, LocalTrainer
+from crossdc.workloads import load_model_weights, model_weights
 from crossdc.clients.state_store import DatacenterStateStore, StateStoreError
 from crossdc.strategies.base import ClientUpdate
 from crossdc.strategies.fedavg import FedAvgTau

@@ -13,9 +13,9 @@ import pytest
 from crossdc.db.engine import make_engine
 from crossdc.db.queries import get_run, list_rounds, parse_flower_run_ids
 from conftest import interruptible, processes_mentioning, read_run
-from crossdc.platform.config import load_config, with_rounds
-from crossdc.platform.local_run import RUN_MARKER_ENV, LocalRunOptions, run_local
-from crossdc.platform.processes import ensure_port_free, free_port, is_running, processes_with_env
+from crossdc.experiment.config import load_config, with_rounds
+from crossdc.orchestration.local_run import RUN_MARKER_ENV, LocalRunOptions, run_local
+from crossdc.experiment.processes import ensure_port_free, free_port, is_running, processes_with_env
 
 REPO = Path(__file__).resolve().parents[1]
 CONFIG = REPO / "examples" / "synthetic-2dc.toml"

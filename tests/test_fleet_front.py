@@ -10,9 +10,9 @@ from pathlib import Path
 import httpx
 import pytest
 
-from crossdc.platform.fleet_front import is_fleet_request, start_front
-from crossdc.platform.processes import ProcessGroup, flower_env, free_port, wait_for_port
-from crossdc.platform.tls import make_certificates
+from crossdc.deployment.fleet_front import is_fleet_request, start_front
+from crossdc.experiment.processes import ProcessGroup, flower_env, free_port, wait_for_port
+from crossdc.deployment.tls import make_certificates
 
 BIN = Path(sys.executable).parent
 

@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 from flwr.app import ConfigRecord, RecordDict
 
-from crossdc.compression.payload import LAYOUT_KEY, PayloadError, decode_tensors, encode_tensors, payload_bytes, raw_fp32_bytes
+from crossdc.protocol import LAYOUT_KEY, PayloadError, decode_tensors, encode_tensors, payload_bytes, raw_fp32_bytes
 
 
 def test_round_trip_keeps_names_order_shapes_and_values() -> None:

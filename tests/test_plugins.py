@@ -16,7 +16,7 @@ import pytest
 
 from conftest import read_run
 from test_cli_errors import cli  # tests/ is on sys.path
-from crossdc.platform.processes import free_port
+from crossdc.experiment.processes import free_port
 
 REPO = Path(__file__).resolve().parents[1]
 PLUGIN = REPO / "examples" / "plugins" / "crossdc-fedavgm"

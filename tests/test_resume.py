@@ -16,7 +16,7 @@ import pytest
 
 from conftest import CROSSDC, read_run
 from crossdc.clients.state_store import DatacenterStateStore, StateStoreError
-from crossdc.platform.processes import free_port, kill_processes_with_env
+from crossdc.experiment.processes import free_port, kill_processes_with_env
 
 REPO = Path(__file__).resolve().parents[1]
 MARKER = "CROSSDC_TEST_RESUME"

@@ -7,7 +7,7 @@ import math
 import numpy as np
 import pytest
 
-from crossdc.platform.update_gate import rejection_reason
+from crossdc.federation.update_gate import rejection_reason
 from crossdc.strategies.aggregation import add, cosine, l2_norm, weighted_average
 from crossdc.strategies.base import ClientUpdate, Parameter, Strategy, StrategyError
 from crossdc.strategies.fedavg import FedAvgTau

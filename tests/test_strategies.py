@@ -25,11 +25,11 @@ from flwr.app import MetricRecord, RecordDict
 from torch import nn
 from torch.utils.data import TensorDataset
 
-from crossdc.compression.payload import CONTROL_KEY, METRICS_KEY, encode_tensors
-from crossdc.platform.config import parse_config
-from crossdc.platform.experiment import build_strategy
-from crossdc.platform.federation import Reply, judge_reply
-from crossdc.platform.inprocess import InProcessFederation
+from crossdc.protocol import CONTROL_KEY, METRICS_KEY, encode_tensors
+from crossdc.experiment.config import parse_config
+from crossdc.experiment.builders import build_strategy
+from crossdc.federation.sync_loop import Reply, judge_reply
+from crossdc.testing.inprocess import InProcessFederation
 from crossdc.strategies.aggregation import mean, nesterov_sgd_step, scaffold_client_control, scaffold_server_step
 from crossdc.strategies.base import ClientUpdate, Parameter, RunInfo, Strategy, StrategyError
 from crossdc.strategies.diloco import DiLoCo

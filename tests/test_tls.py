@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from crossdc.platform.tls import CertificateError, make_certificates
+from crossdc.deployment.tls import CertificateError, make_certificates
 from conftest import CROSSDC  # tests/ is on sys.path
 
 

@@ -19,13 +19,13 @@ import numpy as np
 import pytest
 from flwr.app import Message, MessageType, Metadata, MetricRecord, RecordDict
 
-from crossdc.compression.payload import CONTROL_KEY, METRICS_KEY, encode_compressed, encode_tensors, payload_bytes
-from crossdc.platform import inprocess
-from crossdc.platform.config import parse_config
-from crossdc.platform.experiment import build_strategy
-from crossdc.platform.federation import Reply, judge_reply
-from crossdc.platform.inprocess import InProcessFederation
-from crossdc.platform.update_gate import norm_outliers, size_rejection_reason, update_norm_outliers, update_size_limit
+from crossdc.protocol import CONTROL_KEY, METRICS_KEY, encode_compressed, encode_tensors, payload_bytes
+from crossdc.testing import inprocess
+from crossdc.experiment.config import parse_config
+from crossdc.experiment.builders import build_strategy
+from crossdc.federation.sync_loop import Reply, judge_reply
+from crossdc.testing.inprocess import InProcessFederation
+from crossdc.federation.update_gate import norm_outliers, size_rejection_reason, update_norm_outliers, update_size_limit
 from crossdc.strategies.aggregation import weighted_average
 from crossdc.strategies.base import ClientUpdate, RunInfo, Strategy, StrategyError
 from crossdc.strategies.diloco import DiLoCo

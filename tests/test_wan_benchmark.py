@@ -10,8 +10,8 @@ from pathlib import Path
 
 import pytest
 
-from crossdc.platform.cost_model import flower_round_trips, ring_allreduce_time
-from crossdc.platform.links import LINK_PROFILES, LinkSpec
+from crossdc.wan.cost_model import flower_round_trips, ring_allreduce_time
+from crossdc.experiment.links import LINK_PROFILES, LinkSpec
 
 BENCHMARKS = Path(__file__).resolve().parents[1] / "benchmarks"
 

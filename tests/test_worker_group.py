@@ -13,11 +13,11 @@ import numpy as np
 import pytest
 
 from crossdc.clients.channel import TrainerFailed, call_trainer
-from crossdc.platform.config import parse_config
-from crossdc.platform.experiment import build_workload, initial_model
-from crossdc.clients.local_training import model_weights
-from crossdc.platform.processes import is_running
-from crossdc.platform.rundir import RunDir
+from crossdc.experiment.config import parse_config
+from crossdc.experiment.builders import build_workload, initial_model
+from crossdc.workloads import model_weights
+from crossdc.experiment.processes import is_running
+from crossdc.experiment.rundir import RunDir
 
 from conftest import processes_mentioning  # tests/ is on sys.path
 
@@ -84,10 +84,10 @@ def test_two_ranks_with_diloco_and_codecs_keep_the_datacenter_state_right(tmp_pa
     decoded updates equal one process's to the codecs' resolution."""
     from flwr.app import ConfigRecord, RecordDict
 
-    from crossdc.clients.client_app import global_model
+    from crossdc.protocol import global_model
     from crossdc.clients.state_store import DatacenterStateStore
     from crossdc.compression.downlink import DownlinkSender
-    from crossdc.compression.payload import CONFIG_KEY
+    from crossdc.protocol import CONFIG_KEY
     from crossdc.compression.uplink import CODEC_STATE_KEY, decode_arrays
 
     doc = {**experiment("adamw", 1, "diloco"), "compression": {"codecs": ["topk:0.25", "int8"], "downlink_codecs": ["int8"]}}
@@ -126,7 +126,7 @@ def test_two_ranks_equal_one_process_with_the_strategys_local_hooks(strategy: st
     """FedProx's proximal term and SCAFFOLD's correction g − c_i + c on 2 DDP ranks give the same update (and the same
     Δc_i) as one process; SCAFFOLD's c_i is written once per round, by rank 0, and read back the next round."""
     from crossdc.clients.state_store import DatacenterStateStore
-    from crossdc.compression.payload import CONTROL_KEY
+    from crossdc.protocol import CONTROL_KEY
 
     weights = initial_weights(experiment("sgd", 1, strategy, params))
     rng = np.random.default_rng(5)
@@ -209,8 +209,8 @@ def test_federation_with_two_ranks_per_datacenter_survives_a_killed_rank(tmp_pat
     from conftest import read_run
     from crossdc.db.queries import list_rounds, list_runs
     from crossdc.db.engine import make_engine
-    from crossdc.platform.local_run import RUN_MARKER_ENV, LocalRunOptions, run_local
-    from crossdc.platform.processes import free_port, processes_with_env
+    from crossdc.orchestration.local_run import RUN_MARKER_ENV, LocalRunOptions, run_local
+    from crossdc.experiment.processes import free_port, processes_with_env
 
     db_url = f"sqlite:///{tmp_path / 'ddp.db'}"
     runs = tmp_path / "runs"

@@ -24,7 +24,7 @@ import httpx
 from cryptography.hazmat.primitives import serialization
 from cryptography.hazmat.primitives.asymmetric import ec
 
-from crossdc.platform.tls import write_file
+from crossdc.deployment.tls import write_file
 
 PRIVATE_KEY_FILE = "node-key"
 PUBLIC_KEY_FILE = "node-key.pub"

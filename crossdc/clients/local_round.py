@@ -15,6 +15,7 @@ from typing import Any
 
 import numpy as np
 
+from crossdc import protocol as proto
 from crossdc.clients.local_training import LocalTrainer, StepsResult
 from crossdc.clients.state_store import DatacenterStateStore
 from crossdc.compression.uplink import encode_update
@@ -57,10 +58,10 @@ def run_local_round(strategy: Strategy, trainer: LocalTrainer, store: Datacenter
         store.save(strategy.client_state_key, finished.state, server_round)
     store.save(TRAINER_STATE_KEY, trainer.state_dict(), server_round)
     metrics: dict[str, Any] = {
-        "num-examples": result.num_examples,
-        "train-loss": result.mean_loss,
-        "compute-s": result.compute_s,
-        "state-save-s": time.perf_counter() - started,
+        proto.NUM_EXAMPLES: result.num_examples,
+        proto.TRAIN_LOSS: result.mean_loss,
+        proto.COMPUTE_S: result.compute_s,
+        proto.STATE_SAVE_S: time.perf_counter() - started,
         **finished.metrics,
     }
     if codecs:

@@ -19,7 +19,7 @@ import torch
 from torch.utils.data import TensorDataset
 
 from crossdc.clients.devices import autocast
-from crossdc.workloads import Workload, make_optimizer
+from crossdc.workloads import Workload, load_model_weights, make_optimizer, model_weights
 
 
 #: the shortest sleep of the speed emulation (see LocalTrainer): the trainer runs ahead of its pace until this much
@@ -34,25 +34,6 @@ class StepsResult:
     mean_loss: float
     num_examples: int
     compute_s: float
-
-
-def model_weights(model: torch.nn.Module) -> dict[str, np.ndarray]:
-    """The model's state (parameters and persistent buffers) as float32 numpy copies, in state_dict order."""
-    return {name: tensor.detach().cpu().numpy().astype(np.float32, copy=True) for name, tensor in model.state_dict().items()}
-
-
-def load_model_weights(model: torch.nn.Module, arrays: Mapping[str, np.ndarray]) -> None:
-    """Load named numpy arrays into the model; names and shapes must match exactly."""
-    state = model.state_dict()
-    if set(arrays) != set(state):
-        missing, extra = sorted(set(state) - set(arrays)), sorted(set(arrays) - set(state))
-        raise ValueError(f"weights do not match the model: missing {missing[:3]}, unexpected {extra[:3]}")
-    with torch.no_grad():
-        for name, tensor in state.items():
-            value = arrays[name]
-            if tuple(value.shape) != tuple(tensor.shape):
-                raise ValueError(f"weight '{name}' has shape {tuple(value.shape)}, model expects {tuple(tensor.shape)}")
-            tensor.copy_(torch.from_numpy(np.asarray(value)).to(tensor.dtype))
 
 
 class BatchStream:

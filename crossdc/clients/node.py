@@ -33,9 +33,9 @@ from pathlib import Path
 from typing import Any
 
 from crossdc.clients.channel import TrainerUnavailable, call_trainer, serve_requests
-from crossdc.platform.config import ConfigError, parse_config
-from crossdc.platform.processes import ProcessGroup, die_with_parent
-from crossdc.platform.rundir import RunDir
+from crossdc.experiment.config import ConfigError, parse_config
+from crossdc.experiment.processes import ProcessGroup, die_with_parent
+from crossdc.experiment.rundir import RunDir
 
 log = logging.getLogger("crossdc.node")
 

@@ -35,15 +35,17 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from crossdc import protocol as proto
+from crossdc.protocol import ProtocolError, TrainRequest
 from crossdc.clients.channel import serve_requests
 from crossdc.clients.local_round import run_local_round
 from crossdc.clients.worker import GROUP_TIMEOUT, backend, build_rank, use_device
 from crossdc.compression.downlink import DownlinkOutOfSync, receive
 from crossdc.compression.wire import CodecError
-from crossdc.platform.config import parse_config
-from crossdc.platform.experiment import datacenter_seed
-from crossdc.platform.processes import die_with_parent
-from crossdc.platform.rundir import RunDir
+from crossdc.experiment.config import parse_config
+from crossdc.experiment.builders import datacenter_seed
+from crossdc.experiment.processes import die_with_parent
+from crossdc.experiment.rundir import RunDir
 from crossdc.strategies.base import StrategyError
 
 log = logging.getLogger("crossdc.trainer")
@@ -152,15 +154,18 @@ class DatacenterTrainer:
             return self._train(request)
         return {"ok": False, "error": f"unknown trainer op {op!r}"}
 
-    def _train(self, request: dict[str, Any]) -> dict[str, Any]:
-        if request.get("run_id") != self.run_id:
-            return {"ok": False, "error": f"trainer serves run {self.run_id}, request is for run {request.get('run_id')}"}
-        server_round, tau = int(request["round"]), int(request["tau"])
-        attempt = int(request.get("attempt", 1))
+    def _train(self, message: dict[str, Any]) -> dict[str, Any]:
+        try:
+            request = TrainRequest.from_dict(message)
+        except ProtocolError as err:
+            return {"ok": False, "error": f"{self.datacenter}: {err}"}
+        if request.run_id != self.run_id:
+            return {"ok": False, "error": f"trainer serves run {self.run_id}, request is for run {request.run_id}"}
+        server_round, tau, attempt = request.round, request.tau, request.attempt
         if attempt > self.attempt:  # a resumed run: continue from the state of the checkpoint it resumed from
-            if "resume_round" in request:
+            if request.resume_round is not None:
                 try:
-                    self._rewind(int(request["resume_round"]))
+                    self._rewind(request.resume_round)
                 except Exception as err:  # nothing is marked done: the next message of this attempt tries again
                     return {"ok": False, "error": f"{self.datacenter}: cannot rewind to the checkpoint: {err}".splitlines()[0]}
             self._set_attempt(attempt)
@@ -168,12 +173,13 @@ class DatacenterTrainer:
             return {"ok": False, "error": f"a message of attempt {attempt} at the run; attempt {self.attempt} is running"}
         if server_round <= self.last_round:  # a stale message (e.g. delivered after its round closed)
             return {"ok": False, "error": f"round {server_round} is not newer than round {self.last_round}, already trained here"}
-        if "checkpoint_round" in request:  # keep the local state a rewind to the server's newest checkpoint needs
-            self.store.keep_from = int(request["checkpoint_round"])
+        if request.checkpoint_round is not None:  # keep the local state a rewind to the server's newest checkpoint needs
+            self.store.keep_from = request.checkpoint_round
         dead = [w.pid for w in self.workers if w.poll() is not None]
         pids = self.worker_pids()
         try:
-            global_weights = receive(request["downlink"], self.store, server_round) if "downlink" in request else request["weights"]
+            model = request.model
+            global_weights = receive(model["downlink"], self.store, server_round) if "downlink" in model else model["weights"]
         except (DownlinkOutOfSync, CodecError) as err:  # the server sends the full model next round
             return {"ok": False, "error": f"{self.datacenter}: {err}".splitlines()[0]}
 
@@ -184,7 +190,7 @@ class DatacenterTrainer:
             if dead:
                 raise RuntimeError(f"local worker(s) {dead} of the group had exited")
             answer = run_local_round(self.strategy, self.trainer, self.store, self.datacenter, server_round, tau, self.lr,
-                                     global_weights, request.get("received") or {},
+                                     global_weights, request.received,
                                      broadcast if self.world > 1 else None, self.codecs, self.codec_seed)
         except StrategyError as err:  # the message breaks the strategy's contract: the group itself is fine
             return {"ok": False, "error": f"{self.datacenter}: {err}".splitlines()[0]}
@@ -195,7 +201,7 @@ class DatacenterTrainer:
             self._start_group()
             return {"ok": False, "error": message}
         self.last_round = server_round
-        answer["metrics"].update({"trainer-pid": os.getpid(), "workers": self.world, "worker-pids": pids})
+        answer["metrics"].update({proto.TRAINER_PID: os.getpid(), proto.WORKERS: self.world, proto.WORKER_PIDS: pids})
         return {"ok": True, **answer}
 
 

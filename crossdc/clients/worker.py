@@ -20,9 +20,9 @@ from crossdc.clients.local_round import TRAINER_STATE_KEY, train_with_plan
 from crossdc.clients.devices import local_placement
 from crossdc.clients.local_training import LocalTrainer
 from crossdc.clients.state_store import DatacenterStateStore
-from crossdc.platform.config import parse_config
-from crossdc.platform.experiment import build_strategy, build_workload, datacenter_seed
-from crossdc.platform.rundir import RunDir
+from crossdc.experiment.config import parse_config
+from crossdc.experiment.builders import build_strategy, build_workload, datacenter_seed
+from crossdc.experiment.rundir import RunDir
 from crossdc.strategies.base import Strategy
 
 log = logging.getLogger("crossdc.worker")

@@ -25,7 +25,7 @@ from typing import Any
 
 import numpy as np
 
-from crossdc.compression.payload import (DOWNLINK, DOWNLINK_BASE, DOWNLINK_KEY, DOWNLINK_VERSION, encode_compressed,
+from crossdc.protocol import (DOWNLINK, DOWNLINK_BASE, DOWNLINK_KEY, DOWNLINK_VERSION, encode_compressed,
                                          encode_tensors)
 from crossdc.compression.pipeline import CodecPipeline
 

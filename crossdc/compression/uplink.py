@@ -20,7 +20,8 @@ from typing import Any
 import numpy as np
 from flwr.app import RecordDict
 
-from crossdc.compression.payload import (ARRAYS_KEY, COMPRESSED_KEY, PayloadError, compressed_payload, decode_tensors)
+from crossdc import protocol as proto
+from crossdc.protocol import (ARRAYS_KEY, COMPRESSED_KEY, PayloadError, compressed_payload, decode_tensors)
 from crossdc.compression.pipeline import CodecPipeline, decode_payload
 from crossdc.compression.wire import CodecError
 
@@ -38,8 +39,8 @@ def encode_update(delta: Mapping[str, np.ndarray], codecs: Sequence[str], server
         pipeline.load_state_dict(saved[0])
     encoded = pipeline.encode(delta, server_round)
     store.save(CODEC_STATE_KEY, pipeline.state_dict(), server_round)
-    return encoded.payload, {"energy-kept": encoded.energy_kept, "codec-s": time.perf_counter() - started,
-                             "payload-bytes": float(encoded.nbytes)}
+    return encoded.payload, {proto.ENERGY_KEPT: encoded.energy_kept, proto.CODEC_S: time.perf_counter() - started,
+                             proto.PAYLOAD_BYTES: float(encoded.nbytes)}
 
 
 def decode_update(content: RecordDict, reference: Mapping[str, np.ndarray], compressed: bool) -> dict[str, np.ndarray]:

@@ -20,7 +20,7 @@ from fastapi.staticfiles import StaticFiles
 from sqlalchemy import Engine
 
 from crossdc.db.engine import make_engine, resolve_database_url
-from crossdc.platform.superlink_control import SuperLinkControl
+from crossdc.deployment.superlink_control import SuperLinkControl
 
 STATIC_DIR = Path(__file__).parent / "static"
 

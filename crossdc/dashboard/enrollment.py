@@ -28,7 +28,7 @@ from crossdc.dashboard.auth import Admin, Enroller, client_address
 from crossdc.dashboard import queries
 from crossdc.db.models import DATACENTERS
 from crossdc.db.security import TokenIdentity, audit_entries, record_audit
-from crossdc.platform.superlink_control import ControlError, PublicKeyError, SuperLinkControl, check_public_key
+from crossdc.deployment.superlink_control import ControlError, PublicKeyError, SuperLinkControl, check_public_key
 
 router = APIRouter(tags=["datacenters"])
 

@@ -27,6 +27,11 @@ Bind = Engine | Connection | Session
 
 
 
+def utcnow() -> datetime:
+    """Now, timezone-aware UTC (the one clock every run-log timestamp comes from)."""
+    return datetime.now(timezone.utc)
+
+
 def as_utc(value: Any) -> Any:
     """A datetime as aware UTC (SQLite hands back naive UTC); anything else unchanged."""
     if isinstance(value, datetime):

@@ -49,6 +49,7 @@ from sqlalchemy.dialects import postgresql, sqlite
 
 from crossdc.db.engine import make_engine, safe_url
 from crossdc.db.errors import DatabaseUnavailable
+from crossdc.db.queries import utcnow
 from crossdc.db.models import (
     ASYNC_UPDATE_STATUSES,
     BASELINES,
@@ -68,10 +69,6 @@ log = logging.getLogger(__name__)
 
 
 _UINT64_MAX = 2**64 - 1
-
-
-def utcnow() -> datetime:
-    return datetime.now(timezone.utc)
 
 
 # ------------------------------------------------------------------ validation

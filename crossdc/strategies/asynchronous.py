@@ -5,7 +5,7 @@ weights it was sent and replies with Δy; it cannot tell a synchronous run from 
 its ``round`` is its own task number (1, 2, 3, … per datacenter, strictly increasing) instead of a round shared
 by all.
 
-Server half (driven by :mod:`crossdc.platform.async_federation`, never by the synchronous loop): the global
+Server half (driven by :mod:`crossdc.federation.async_loop`, never by the synchronous loop): the global
 model carries a version (a logical clock, 0 at the start). An accepted update computed from version v that
 arrives while the global model is at version t has staleness s = t − v. If s > ``max_staleness`` it is
 discarded (:meth:`AsyncStrategy.admits`); otherwise it is :meth:`AsyncStrategy.submit`-ted with its scale
@@ -65,7 +65,7 @@ def scaled(delta: Arrays, scale: float) -> dict[str, np.ndarray]:
 class AsyncStrategy(Strategy):
     """Base of asynchronous strategies (see the module docstring); not a strategy of its own."""
 
-    #: the loop that drives the strategy: True sends it to crossdc.platform.async_federation
+    #: the loop that drives the strategy: True sends it to crossdc.federation.async_loop
     asynchronous: ClassVar[bool] = True
     parameters = async_parameters(1.0, "base rate of the staleness function")
 

@@ -3,7 +3,7 @@
 Client contract (what every strategy built on this base relies on):
 
 - **Down.** The server sends each datacenter a train message holding the
-  current global weights x (packed by :func:`crossdc.compression.payload.encode_tensors`:
+  current global weights x (packed by :func:`crossdc.protocol.encode_tensors`:
   records ``arrays`` and ``layout``), the strategy's extra tensor groups from
   :meth:`Strategy.client_arrays` (each under its own named record, e.g.
   ``control`` = SCAFFOLD's server control variate c), and a config record with
@@ -180,7 +180,7 @@ class Strategy(ABC):
     def use_robust_aggregation(self, kind: str, trim_fraction: float = DEFAULT_TRIM_FRACTION) -> None:
         """Make :meth:`mean_update` the robust aggregate `kind` (``[security] robust_aggregation``: ``none``,
         ``median`` or ``trimmed_mean`` with `trim_fraction`; see :func:`crossdc.strategies.robust.robust_mean`).
-        Set once after construction (:func:`crossdc.platform.experiment.build_strategy`); StrategyError if unknown."""
+        Set once after construction (:func:`crossdc.experiment.builders.build_strategy`); StrategyError if unknown."""
         try:
             check_robust_aggregation(kind, trim_fraction)
         except ValueError as err:

@@ -8,7 +8,7 @@ Server: each accepted update Δ_k (staleness s_k ≤ ``max_staleness``) is scale
 datacenters), x ← x + mean_k(scale_k · Δ_k), the mean weighted by examples like FedAvg's (the run's
 ``[security] robust_aggregation`` if it asks for a median or trimmed mean), and the buffer empties. A fast
 datacenter may put several updates into one buffer; a datacenter keeps training while its update waits (unless
-``max_staleness = 0``, see crossdc.platform.async_federation). With K = number of datacenters, equal speeds,
+``max_staleness = 0``, see crossdc.federation.async_loop). With K = number of datacenters, equal speeds,
 ``max_staleness = 0`` and lr = 1 every step is one update from every datacenter, all from the current version:
 exactly synchronous FedAvg.
 """

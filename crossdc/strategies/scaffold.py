@@ -7,7 +7,7 @@ trainer restart. A datacenter that misses a round keeps its c_i; a new one start
 
 Client contract, beyond the base's (:mod:`crossdc.strategies.base`):
 
-- down: tensor group ``control`` (record :data:`~crossdc.compression.payload.CONTROL_KEY`) = c, the same
+- down: tensor group ``control`` (record :data:`~crossdc.protocol.CONTROL_KEY`) = c, the same
   names and shapes as the weights;
 - local work: every one of the K = τ steps uses the corrected gradient g − c_i + c (applied after the
   gradients are complete: with W > 1 ranks, after DistributedDataParallel averaged them, on every rank);
@@ -38,7 +38,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from crossdc.compression.payload import CONTROL_KEY
+from crossdc.protocol import CONTROL_KEY
 from crossdc.strategies.aggregation import l2_norm, mean, scaffold_client_control, scaffold_server_step, subtract, total_sum
 from crossdc.strategies.base import (Arrays, ClientUpdate, LocalContext, LocalHooks, LocalResult, Parameter, RunInfo,
                                      Strategy, StrategyError)

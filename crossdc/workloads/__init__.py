@@ -15,7 +15,8 @@ from crossdc.workloads.errors import WorkloadError
 from crossdc.workloads.partition import dirichlet_partition, iid_partition, natural_partition
 
 if TYPE_CHECKING:
-    from crossdc.workloads.base import OPTIMIZERS, TensorWorkload, Workload, WorkloadSpec, evaluate, make_optimizer
+    from crossdc.workloads.base import (OPTIMIZERS, TensorWorkload, Workload, WorkloadSpec, evaluate, load_model_weights,
+                                       make_optimizer, model_weights)
     from crossdc.workloads.images import DigitsWorkload, Mnist1dWorkload
     from crossdc.workloads.registry import available_workloads, load_workload, register_workload
     from crossdc.workloads.shakespeare import ShakespeareWorkload
@@ -28,6 +29,8 @@ _LAZY = {
     "WorkloadSpec": "crossdc.workloads.base",
     "evaluate": "crossdc.workloads.base",
     "make_optimizer": "crossdc.workloads.base",
+    "model_weights": "crossdc.workloads.base",
+    "load_model_weights": "crossdc.workloads.base",
     "DigitsWorkload": "crossdc.workloads.images",
     "Mnist1dWorkload": "crossdc.workloads.images",
     "available_workloads": "crossdc.workloads.registry",

@@ -22,10 +22,11 @@ import time
 from collections.abc import Callable
 from typing import Any
 
-from crossdc.clients.local_training import LocalTrainer, model_weights
+from crossdc.clients.local_training import LocalTrainer
+from crossdc.workloads import model_weights
 from crossdc.db.runlog import RunLog
-from crossdc.platform.config import ExperimentConfig
-from crossdc.platform.experiment import build_strategy, build_workload, initial_model
+from crossdc.experiment.config import ExperimentConfig
+from crossdc.experiment.builders import build_strategy, build_workload, initial_model
 from crossdc.workloads import evaluate
 
 BASELINE_KINDS = ("all-workers", "sequential")

@@ -11,10 +11,11 @@ from pathlib import Path
 from flwr.app import Context
 from flwr.serverapp import Grid, ServerApp
 
-from crossdc.platform.federation import run_federation
-from crossdc.platform.rundir import RunDir
+from crossdc.federation.sync_loop import run_federation
+from crossdc.experiment.rundir import RunDir
+from crossdc.protocol import RUN_DIR
 
-RUN_DIR_KEY = "crossdc-run-dir"
+RUN_DIR_KEY = RUN_DIR
 
 app = ServerApp()
 

@@ -4,7 +4,7 @@ With ``flower-superlink --enable-supernode-auth`` (which Flower allows only over
 only with a private key whose public key was registered through the Control API (what ``flwr supernode
 register`` does); unregistering the node refuses it from its next request on. The Control API authenticates
 nobody in Flower's open-source build, so only crossdc's authenticated API calls this adapter, over the
-SuperLink's private address (see :mod:`crossdc.platform.fleet_front`).
+SuperLink's private address (see :mod:`crossdc.deployment.fleet_front`).
 
 Promises: :meth:`SuperLinkControl.register` answers the node id Flower gave the key; every failure of the
 SuperLink (unreachable, refused, a key already in use) is a :class:`ControlError` with one line saying what.

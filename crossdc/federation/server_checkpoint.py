@@ -1,11 +1,11 @@
-"""The coordinator's side of checkpoints and resume, for the synchronous loop (crossdc.platform.federation).
+"""The coordinator's side of checkpoints and resume, for the synchronous loop (crossdc.federation.sync_loop).
 
 Promises:
 
 * :class:`ServerCheckpointer` saves, after every ``checkpoint.every_rounds`` rounds and after the last round,
   everything the loop needs to continue exactly (:func:`loop_state`): the round, global weights, the strategy's
   state (DiLoCo's outer momentum, SCAFFOLD's server variate), what the loop carries between rounds, and the server's
-  RNG states; through :class:`crossdc.platform.checkpoints.CheckpointStore` (atomic, any fsspec URL, retention);
+  RNG states; through :class:`crossdc.federation.checkpoints.CheckpointStore` (atomic, any fsspec URL, retention);
 * a resumed run loads the newest committed checkpoint (a half-written one is skipped) and starts at the round after
   it; every datacenter is told the run's attempt number and the round of the oldest retained checkpoint, so it
   keeps the local state a rewind could need and rewinds to it when a new attempt re-runs rounds it already trained
@@ -21,9 +21,9 @@ from typing import Any
 import numpy as np
 import torch
 
-from crossdc.platform.checkpoints import CheckpointInfo, CheckpointStore
+from crossdc.federation.checkpoints import CheckpointInfo, CheckpointStore
 
-#: the run settings' keys (crossdc.platform.rundir): where checkpoints go, and which attempt at the run this is
+#: the run settings' keys (crossdc.experiment.rundir): where checkpoints go, and which attempt at the run this is
 SETTINGS_URL = "checkpoint_url"
 SETTINGS_ATTEMPT = "attempt"
 SETTINGS_RESUME = "resume"

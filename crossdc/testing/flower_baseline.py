@@ -7,9 +7,9 @@ does not survive the round, as in Flower's examples), trains exactly τ steps on
 returns the weights with `num-examples`. No codecs, no persistent trainer, no crossdc protocol.
 
 What is shared with crossdc, so that only the federation differs: the workload (data, partition, model),
-the inner optimizer, learning rate and batch size, and the initial weights (`crossdc.platform.experiment`).
+the inner optimizer, learning rate and batch size, and the initial weights (`crossdc.experiment.builders`).
 Bytes are counted exactly as crossdc counts its own: the serialised size of each message's content
-(`crossdc.compression.payload.payload_bytes`), both ways, per datacenter and round.
+(`crossdc.protocol.payload_bytes`), both ways, per datacenter and round.
 """
 
 from __future__ import annotations
@@ -27,10 +27,12 @@ from flwr.clientapp import ClientApp
 from flwr.serverapp import Grid, ServerApp
 from flwr.serverapp.strategy import FedAvg
 
-from crossdc.clients.local_training import LocalTrainer, load_model_weights, model_weights
-from crossdc.compression.payload import payload_bytes
-from crossdc.platform.config import ExperimentConfig, parse_config
-from crossdc.platform.experiment import build_workload, datacenter_seed, initial_model
+from crossdc import protocol as proto
+from crossdc.clients.local_training import LocalTrainer
+from crossdc.workloads import load_model_weights, model_weights
+from crossdc.protocol import payload_bytes
+from crossdc.experiment.config import ExperimentConfig, parse_config
+from crossdc.experiment.builders import build_workload, datacenter_seed, initial_model
 from crossdc.workloads import Workload, evaluate
 
 #: train-config keys the server sends (besides FedAvg's own "server-round")
@@ -75,8 +77,8 @@ def train(msg: Message, context: Context) -> Message:
     trainer.set_weights(_arrays(msg.content["arrays"]))
     result = trainer.train_steps(tau)
     reply = RecordDict({"arrays": _array_record(trainer.get_weights())})
-    reply["metrics"] = MetricRecord({"num-examples": int(result.num_examples), "compute-s": float(result.compute_s),
-                                     "train-loss": float(result.mean_loss), "bytes-down": payload_bytes(msg.content),
+    reply["metrics"] = MetricRecord({proto.NUM_EXAMPLES: int(result.num_examples), proto.COMPUTE_S: float(result.compute_s),
+                                     proto.TRAIN_LOSS: float(result.mean_loss), "bytes-down": payload_bytes(msg.content),
                                      "bytes-up": payload_bytes(reply)})
     return Message(content=reply, reply_to=msg)
 
@@ -84,11 +86,11 @@ def train(msg: Message, context: Context) -> Message:
 def _per_datacenter(records: list[RecordDict], weighted_by_key: str) -> MetricRecord:
     """Keep each client's figures (sums and maxima) instead of FedAvg's weighted mean of them."""
     metrics = [next(iter(r.metric_records.values())) for r in records]
-    return MetricRecord({"num-examples": sum(int(m["num-examples"]) for m in metrics),
-                         "compute-s-each": [float(m["compute-s"]) for m in metrics],
+    return MetricRecord({proto.NUM_EXAMPLES: sum(int(m[proto.NUM_EXAMPLES]) for m in metrics),
+                         "compute-s-each": [float(m[proto.COMPUTE_S]) for m in metrics],
                          "bytes-down-each": [int(m["bytes-down"]) for m in metrics],
                          "bytes-up-each": [int(m["bytes-up"]) for m in metrics],
-                         "train-loss": float(np.mean([float(m["train-loss"]) for m in metrics]))})
+                         proto.TRAIN_LOSS: float(np.mean([float(m[proto.TRAIN_LOSS]) for m in metrics]))})
 
 
 def run_flower_fedavg(config: ExperimentConfig, tau: int, rounds: int,

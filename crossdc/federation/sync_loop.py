@@ -4,7 +4,7 @@ Promises, per round: every datacenter gets the global weights and τ; the
 round closes when every datacenter has replied, or at the round's deadline
 (fixed `run.round_timeout_s`, or adaptive `run.deadline`: median + k·MAD of
 each datacenter's recent round times, within a floor and a ceiling; see
-crossdc.platform.deadline) if at least `min_replies` (0 = all) have — the others
+crossdc.federation.deadline) if at least `min_replies` (0 = all) have — the others
 are recorded as timed out, with an event — and otherwise fails the run; every
 reply passes the update gate (its size before decoding, then its tensors), and
 once all are judged the round's accepted updates pass the norm-outlier check
@@ -15,7 +15,7 @@ datacenter go to the run log. Replies are pulled as they arrive (polling every
 20–250 ms, faster while replies come in; no fixed
 3-second barrier): only messages still pending are polled.
 
-Asynchronous strategies (FedAsync, FedBuff) run :mod:`crossdc.platform.async_federation`'s loop instead, built
+Asynchronous strategies (FedAsync, FedBuff) run :mod:`crossdc.federation.async_loop`'s loop instead, built
 on the same pieces (discovery, the update gate, the run log).
 """
 
@@ -33,22 +33,23 @@ from flwr.app import ConfigRecord, Message, MessageType, RecordDict
 from flwr.common.constant import ErrorCode
 from flwr.serverapp import Grid
 
-from crossdc.clients import client_app as wire
-from crossdc.clients.local_training import load_model_weights, model_weights
-from crossdc.compression.payload import CONFIG_KEY, METRICS_KEY, decode_tensors, encode_tensors, payload_bytes, raw_fp32_bytes
+from crossdc import protocol as proto
+from crossdc import protocol as wire
+from crossdc.workloads import load_model_weights, model_weights
+from crossdc.protocol import CONFIG_KEY, METRICS_KEY, decode_tensors, encode_tensors, payload_bytes, raw_fp32_bytes
 from crossdc.compression.downlink import DownlinkSender
 from crossdc.compression.uplink import decode_update
 from crossdc.compression.wire import CodecError
 from crossdc.db.errors import DatabaseUnavailable
 from crossdc.db.runlog import RunLog
-from crossdc.platform.config import ExperimentConfig, parse_config
-from crossdc.platform.link_relay import LedgerReader, bytes_by_direction, payload_transfers, time_in_flight
-from crossdc.platform.deadline import round_deadline
-from crossdc.platform.experiment import build_strategy, build_workload, initial_model
-from crossdc.platform.rundir import RunDir
-from crossdc.platform.server_checkpoint import (SETTINGS_ATTEMPT, SETTINGS_RESUME, ResumeError, ServerCheckpointer,
+from crossdc.experiment.config import ExperimentConfig, parse_config
+from crossdc.wan.link_relay import LedgerReader, bytes_by_direction, payload_transfers, time_in_flight
+from crossdc.federation.deadline import round_deadline
+from crossdc.experiment.builders import build_strategy, build_workload, initial_model
+from crossdc.experiment.rundir import RunDir
+from crossdc.federation.server_checkpoint import (SETTINGS_ATTEMPT, SETTINGS_RESUME, ResumeError, ServerCheckpointer,
                                                 loop_state, restore_rng)
-from crossdc.platform.update_gate import rejection_reason, size_rejection_reason, update_norm_outliers, update_size_limit
+from crossdc.federation.update_gate import rejection_reason, size_rejection_reason, update_norm_outliers, update_size_limit
 from crossdc.strategies.aggregation import cosine, l2_norm
 from crossdc.strategies.base import ClientUpdate
 from crossdc.strategies.registry import strategy_class
@@ -200,7 +201,7 @@ def run_federation(grid: Grid, run_dir: RunDir) -> dict[str, Any]:
     try:
         config = parse_config(settings["config"])
         if getattr(strategy_class(config.strategy.name), "asynchronous", False):  # FedAsync, FedBuff: no rounds
-            from crossdc.platform.async_federation import run_async
+            from crossdc.federation.async_loop import run_async
 
             summary = run_async(grid, run_dir, run_id, config, runlog)
         else:
@@ -270,10 +271,10 @@ def judge_reply(reply: Reply | None, weights: dict[str, np.ndarray], tau: int, b
         return Judged({**row, "status": "rejected", "reason": f"undecodable update: {err}"[:500]})
     try:
         metrics = dict(content[METRICS_KEY])
-        num_examples = int(metrics["num-examples"])
-        compute_s = float(metrics["compute-s"])
-        train_loss = float(metrics.get("train-loss", float("nan")))
-        worker_pids = tuple(int(p) for p in metrics.get("worker-pids", [metrics.get("trainer-pid", -1)]))
+        num_examples = int(metrics[proto.NUM_EXAMPLES])
+        compute_s = float(metrics[proto.COMPUTE_S])
+        train_loss = float(metrics.get(proto.TRAIN_LOSS, float("nan")))
+        worker_pids = tuple(int(p) for p in metrics.get(proto.WORKER_PIDS, [metrics.get(proto.TRAINER_PID, -1)]))
         reason = rejection_reason(delta, weights)
         extras = {group: decode_tensors(content, group) for group in reply_groups}
         for group, arrays in extras.items():

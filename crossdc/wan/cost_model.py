@@ -58,7 +58,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field, replace
 from typing import Literal
 
-from crossdc.platform.links import LINK_PROFILES, LinkSpec
+from crossdc.experiment.links import LINK_PROFILES, LinkSpec
 
 BYTES_PER_FP32 = 4
 DEFAULT_TARGET_RATIO = 0.1
@@ -73,7 +73,7 @@ FLOWER_FIXED_EXCHANGES_PER_MESSAGE = 3
 #: GetRun + GetFab, only for the first message of a run (crossdc's discovery query, not a training round).
 FLOWER_FIRST_MESSAGE_EXCHANGES = 2
 #: crossdc's TRAIN message holds {arrays, layout, config}, its reply {arrays, layout, metrics}: three
-#: records each, all tensors packed in one Array (crossdc/compression/payload.py), so T = 1.
+#: records each, all tensors packed in one Array (crossdc/protocol.py), so T = 1.
 CROSSDC_RECORDS_PER_MESSAGE = 3
 
 

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 
-from crossdc.platform.config import ExperimentConfig
+from crossdc.experiment.config import ExperimentConfig
 from crossdc.strategies.base import RunInfo, Strategy, StrategyError
 from crossdc.strategies.registry import strategy_class
 from crossdc.workloads import Workload, WorkloadSpec, load_workload

@@ -16,7 +16,7 @@ time it entered the relay and the time it was handed to the far side), so the ti
 in flight is measured at the link, not derived from a formula. Directions are named from the
 datacenter's side: ``up`` is SuperNode → SuperLink, ``down`` is SuperLink → SuperNode.
 
-Without a :class:`~crossdc.platform.links.LinkSpec` the relay forwards at loopback speed and only measures.
+Without a :class:`~crossdc.experiment.links.LinkSpec` the relay forwards at loopback speed and only measures.
 """
 
 from __future__ import annotations
@@ -30,7 +30,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import IO, Any
 
-from crossdc.platform.links import LinkSpec
+from crossdc.experiment.links import LinkSpec
 
 CHUNK = 64 * 1024
 SHAPED_CHUNK = 16 * 1024  # smaller chunks pace a slow link more smoothly

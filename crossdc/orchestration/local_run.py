@@ -33,13 +33,13 @@ from crossdc.db.engine import absolute_database_url, make_engine, upgrade
 from crossdc.db.errors import DatabaseUnavailable
 from crossdc.db.queries import get_run, list_rounds
 from crossdc.db.runlog import RunLog
-from crossdc.platform.config import ExperimentConfig
-from crossdc.platform.link_relay import LinkRelay
-from crossdc.platform.processes import (ProcessGroup, ensure_port_free, flower_env, free_port, is_running, kill_processes_with_env,
+from crossdc.experiment.config import ExperimentConfig
+from crossdc.wan.link_relay import LinkRelay
+from crossdc.experiment.processes import (ProcessGroup, ensure_port_free, flower_env, free_port, is_running, kill_processes_with_env,
                                        venv_bin,
                                        wait_for_port)
-from crossdc.platform.rundir import RunDir
-from crossdc.platform.server_checkpoint import SETTINGS_ATTEMPT, SETTINGS_RESUME, SETTINGS_URL
+from crossdc.experiment.rundir import RunDir
+from crossdc.federation.server_checkpoint import SETTINGS_ATTEMPT, SETTINGS_RESUME, SETTINGS_URL
 
 log = logging.getLogger("crossdc.local_run")
 
@@ -409,7 +409,7 @@ class LocalRun:
         from flwr.simulation import run_simulation
 
         from crossdc.clients.client_app import app as client_app
-        from crossdc.platform.server_app import make_server_app
+        from crossdc.federation.server_app import make_server_app
 
         # one Ray actor per datacenter (a ClientApp only waits on its datacenter's trainer): every datacenter can
         # have its task in flight at once, which an asynchronous strategy needs

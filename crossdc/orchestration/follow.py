@@ -15,10 +15,10 @@ from typing import Any
 from sqlalchemy import inspect
 from sqlalchemy.exc import OperationalError
 
-from crossdc.dashboard.queries import effective_status, utcnow
 from crossdc.db.engine import make_engine, safe_url
-from crossdc.db.queries import get_run, list_rounds
-from crossdc.platform.local_run import RunFailed
+from crossdc.db.queries import get_run, list_rounds, utcnow
+from crossdc.db.status import effective_status
+from crossdc.orchestration.local_run import RunFailed
 
 
 def follow_run(db_url: str, run_id: str, progress: Callable[[list[dict[str, Any]]], None] | None = None,

@@ -1,6 +1,6 @@
 """WAN link descriptions: named profiles and explicit (bandwidth, RTT) pairs.
 
-The link relay (crossdc/platform/link_relay.py) emulates them; the planner
+The link relay (crossdc/wan/link_relay.py) emulates them; the planner
 (crossdc plan) models them: one vocabulary for configs, docs, emulator and planner.
 """
 

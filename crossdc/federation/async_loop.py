@@ -1,8 +1,8 @@
 """The asynchronous federated loop on Flower's Grid (FedAsync, FedBuff): each update is applied as it arrives.
 
 Flower has no asynchronous strategy; this loop builds one on the Grid's push and pull, with the synchronous
-loop's pieces (:mod:`crossdc.platform.federation`: discovery and rediscovery, the update gate
-:func:`~crossdc.platform.federation.judge_reply`, link measurements; the downlink codecs; the run log).
+loop's pieces (:mod:`crossdc.federation.sync_loop`: discovery and rediscovery, the update gate
+:func:`~crossdc.federation.sync_loop.judge_reply`, link measurements; the downlink codecs; the run log).
 
 Promises:
 
@@ -57,20 +57,20 @@ import numpy as np
 from flwr.app import ConfigRecord, Message, MessageType, RecordDict
 from flwr.serverapp import Grid
 
-from crossdc.clients import client_app as wire
-from crossdc.clients.local_training import model_weights
+from crossdc import protocol as wire
+from crossdc.workloads import model_weights
 from crossdc.compression.downlink import DownlinkSender
-from crossdc.compression.payload import CONFIG_KEY, encode_tensors, payload_bytes, raw_fp32_bytes
+from crossdc.protocol import CONFIG_KEY, encode_tensors, payload_bytes, raw_fp32_bytes
 from crossdc.db.errors import DatabaseUnavailable
 from crossdc.db.runlog import RunLog
-from crossdc.platform.config import ExperimentConfig
-from crossdc.platform.experiment import build_strategy, build_workload, initial_model
-from crossdc.platform.federation import (MAX_ROUNDS_WITHOUT_UPDATES, POLL_INTERVAL_S, FederationError, Judged, Reply,
+from crossdc.experiment.config import ExperimentConfig
+from crossdc.experiment.builders import build_strategy, build_workload, initial_model
+from crossdc.federation.sync_loop import (MAX_ROUNDS_WITHOUT_UPDATES, POLL_INTERVAL_S, FederationError, Judged, Reply,
                                          _evaluate, _link_measurements, discover_datacenters, judge_reply, pull_replies,
                                          rediscover)
-from crossdc.platform.link_relay import LedgerReader
-from crossdc.platform.rundir import RunDir
-from crossdc.platform.update_gate import update_size_limit
+from crossdc.wan.link_relay import LedgerReader
+from crossdc.experiment.rundir import RunDir
+from crossdc.federation.update_gate import update_size_limit
 from crossdc.strategies.aggregation import cosine, subtract
 from crossdc.strategies.asynchronous import AsyncStrategy, Submitted
 from crossdc.strategies.base import ClientUpdate, StrategyError
@@ -78,7 +78,7 @@ from crossdc.strategies.base import ClientUpdate, StrategyError
 log = logging.getLogger("crossdc.async_federation")
 
 #: config key of a task: the global version its weights are
-GLOBAL_VERSION = "global-version"
+GLOBAL_VERSION = wire.GLOBAL_VERSION
 #: the longest pause between two polls while nothing arrives (kept short: every reply starts a datacenter's next task)
 MAX_POLL_INTERVAL_S = 0.1
 #: how long past its deadline a task may still answer before the loop records a timeout itself

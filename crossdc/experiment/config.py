@@ -20,8 +20,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from crossdc.platform.links import LINK_PROFILES, LinkSpec
-from crossdc.platform.deadline import DeadlinePolicy
+from crossdc.experiment.links import LINK_PROFILES, LinkSpec
 from crossdc.strategies.robust import DEFAULT_TRIM_FRACTION, ROBUST_AGGREGATIONS
 
 
@@ -30,6 +29,18 @@ class ConfigError(ValueError):
 
 
 _NAME_RE = re.compile(r"^[a-z0-9][a-z0-9-]{0,62}$")
+
+
+@dataclass(frozen=True)
+class DeadlinePolicy:
+    """`run.deadline = { floor_s, ceiling_s, k_mad }` of the config (window: rounds of history used)."""
+
+    floor_s: float = 30.0
+    ceiling_s: float = 3600.0
+    k_mad: float = 4.0
+    window: int = 20
+    min_history: int = 3
+    slack: float = 0.5
 
 
 @dataclass(frozen=True)
@@ -105,7 +116,7 @@ class LinkFault:
 
 @dataclass(frozen=True)
 class SecuritySection:
-    """The server's defences against bad updates beyond the per-reply checks (see crossdc.platform.update_gate).
+    """The server's defences against bad updates beyond the per-reply checks (see crossdc.federation.update_gate).
 
     `robust_aggregation`: how the strategy combines the accepted updates ("none": example-weighted mean,
     "median", "trimmed_mean" cutting `trim_fraction` at each end; crossdc.strategies.robust);
@@ -122,7 +133,7 @@ class SecuritySection:
 
 @dataclass(frozen=True)
 class CheckpointSection:
-    """Server checkpoints (crossdc.platform.checkpoints): after every `every_rounds` rounds (0 = never) and after
+    """Server checkpoints (crossdc.federation.checkpoints): after every `every_rounds` rounds (0 = never) and after
     the last, under `dir`/<run id> (a directory or any fsspec URL), keeping the newest `keep` (0 = all)."""
 
     every_rounds: int = 0

@@ -14,21 +14,10 @@ from __future__ import annotations
 
 import statistics
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass
+
+from crossdc.experiment.config import DeadlinePolicy
 
 MAD_TO_SIGMA = 1.4826
-
-
-@dataclass(frozen=True)
-class DeadlinePolicy:
-    """`run.deadline = { floor_s, ceiling_s, k_mad }` of the config (window: rounds of history used)."""
-
-    floor_s: float = 30.0
-    ceiling_s: float = 3600.0
-    k_mad: float = 4.0
-    window: int = 20
-    min_history: int = 3
-    slack: float = 0.5
 
 
 def datacenter_deadline(round_times: Sequence[float], policy: DeadlinePolicy) -> float:

@@ -33,7 +33,7 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
 
-from crossdc.platform.background_server import BackgroundServer, start_background, uvicorn_config
+from crossdc.deployment.background_server import BackgroundServer, start_background, uvicorn_config
 
 log = logging.getLogger("crossdc.fleet_front")
 

@@ -5,12 +5,12 @@ Same code paths as a real run, minus the transport: each datacenter is a
 :class:`~crossdc.clients.state_store.DatacenterStateStore`, driven by
 :func:`~crossdc.clients.local_round.run_local_round` (exactly what the persistent trainer runs per round); the
 server side is the strategy's ``tau`` / ``client_arrays`` / ``aggregate`` behind the update gate
-(:mod:`crossdc.platform.update_gate`: the size limit, the tensor checks, then the round's norm outliers), as in
-:mod:`crossdc.platform.federation`.
+(:mod:`crossdc.federation.update_gate`: the size limit, the tensor checks, then the round's norm outliers), as in
+:mod:`crossdc.federation.sync_loop`.
 What it leaves out: Flower messages and their (de)serialisation (the float32 tensors, or the codec payload
 when the run compresses, are passed as they are, which is what the wire format carries), worker groups (W = 1), deadlines and the run log.
 Bytes are still counted as a run counts them: `bytes_down` is the serialised size of the message a datacenter would be
-sent (:func:`~crossdc.compression.payload.payload_bytes` of the same records), `bytes_up` the update as sent (codec
+sent (:func:`~crossdc.protocol.payload_bytes` of the same records), `bytes_up` the update as sent (codec
 payload or dense float32) plus the strategy's dense reply groups (SCAFFOLD's control variate).
 """
 
@@ -25,18 +25,20 @@ import numpy as np
 import torch
 from flwr.app import ConfigRecord, RecordDict
 
+from crossdc import protocol as proto
 from crossdc.clients.local_round import run_local_round
-from crossdc.clients.local_training import LocalTrainer, load_model_weights, model_weights
-from crossdc.clients import client_app as wire
-from crossdc.clients.client_app import global_model
+from crossdc.clients.local_training import LocalTrainer
+from crossdc.workloads import load_model_weights, model_weights
+from crossdc import protocol as wire
+from crossdc.protocol import global_model
 from crossdc.clients.state_store import DatacenterStateStore
 from crossdc.compression.downlink import DownlinkSender, receive
-from crossdc.compression.payload import CONFIG_KEY, encode_tensors, payload_bytes, raw_fp32_bytes
+from crossdc.protocol import CONFIG_KEY, encode_tensors, payload_bytes, raw_fp32_bytes
 from crossdc.compression.uplink import decode_arrays
 from crossdc.compression.wire import CodecError
-from crossdc.platform.config import ExperimentConfig, SecuritySection
-from crossdc.platform.experiment import build_strategy, build_workload, datacenter_seed, initial_model
-from crossdc.platform.update_gate import rejection_reason, size_rejection_reason, update_norm_outliers, update_size_limit
+from crossdc.experiment.config import ExperimentConfig, SecuritySection
+from crossdc.experiment.builders import build_strategy, build_workload, datacenter_seed, initial_model
+from crossdc.federation.update_gate import rejection_reason, size_rejection_reason, update_norm_outliers, update_size_limit
 from crossdc.strategies.base import ClientUpdate, Strategy
 from crossdc.workloads import Workload, evaluate
 
@@ -116,7 +118,7 @@ class InProcessFederation:
             answer = run_local_round(self.strategy, self.trainers[dc], self.stores[dc], dc, self.server_round, tau, self.lr,
                                      start_from, sent, codecs=self.codecs, codec_seed=self.seeds[dc])
             extras = answer["extras"]
-            result.compute_s[dc] = float(answer["metrics"]["compute-s"])
+            result.compute_s[dc] = float(answer["metrics"][proto.COMPUTE_S])
             result.bytes_up[dc] = (int(answer["payload"].nbytes) if "payload" in answer else raw_fp32_bytes(answer["delta"])) \
                 + sum(raw_fp32_bytes(extras[group]) for group in self.strategy.reply_groups if group in extras)
             too_big = size_rejection_reason(result.bytes_up[dc], self.max_bytes)
@@ -136,7 +138,7 @@ class InProcessFederation:
             if reason is not None:
                 result.rejected[dc] = reason
                 continue
-            result.updates.append(ClientUpdate(dc, answer["delta"], int(answer["metrics"]["num-examples"]), answer["metrics"],
+            result.updates.append(ClientUpdate(dc, answer["delta"], int(answer["metrics"][proto.NUM_EXAMPLES]), answer["metrics"],
                                                {g: extras[g] for g in self.strategy.reply_groups}))
         outliers = update_norm_outliers({u.datacenter: u.delta for u in result.updates}, self.norm_rejection_factor)
         result.rejected.update(outliers)

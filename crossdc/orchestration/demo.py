@@ -5,6 +5,7 @@ from __future__ import annotations
 import time
 import uuid
 from pathlib import Path
+from collections.abc import Callable
 from statistics import median
 from typing import Any
 
@@ -15,19 +16,21 @@ from rich.table import Table
 
 from crossdc.db.engine import absolute_database_url, make_engine, resolve_database_url, safe_url, upgrade
 from crossdc.db.queries import list_datacenter_rounds
-from crossdc.platform.baselines import BASELINE_KINDS, gap_to, run_baseline
-from crossdc.platform.config import load_config, with_rounds
-from crossdc.platform.background_server import BackgroundServer, start_background, uvicorn_config
-from crossdc.platform.local_run import LocalRunOptions, run_local
-from crossdc.platform.processes import PortInUse, ensure_port_free
+from crossdc.orchestration.baselines import BASELINE_KINDS, gap_to, run_baseline
+from crossdc.experiment.config import load_config, with_rounds
+from crossdc.deployment.background_server import BackgroundServer, start_background, uvicorn_config
+from crossdc.orchestration.local_run import LocalRunOptions, run_local
+from crossdc.experiment.processes import PortInUse, ensure_port_free
 
 QUICK_ROUNDS = 2
 
 
-def start_dashboard(db_url: str, port: int, console: Console) -> BackgroundServer | None:
-    """The dashboard over the demo's database on 127.0.0.1:`port`, or None (and why) if it cannot start."""
-    from crossdc.dashboard.app import create_app
+#: builds the ASGI app that serves a database's run log (the CLI passes the dashboard's: orchestration sits below it)
+DashboardFactory = Callable[[str], Any]
 
+
+def start_dashboard(db_url: str, port: int, console: Console, create_app: DashboardFactory) -> BackgroundServer | None:
+    """The dashboard over the demo's database on 127.0.0.1:`port`, or None (and why) if it cannot start."""
     try:
         ensure_port_free("127.0.0.1", port)
         return start_background(uvicorn_config(create_app(db_url), "127.0.0.1", port), "dashboard")
@@ -37,11 +40,11 @@ def start_dashboard(db_url: str, port: int, console: Console) -> BackgroundServe
 
 
 def run_demo(config_path: Path, quick: bool, db: str | None, port: int, runs_dir: Path, dashboard_port: int = 8080,
-             keep_serving: bool = False) -> dict[str, Any]:
+             keep_serving: bool = False, dashboard: DashboardFactory | None = None) -> dict[str, Any]:
     """Run the demo federation, then both single-datacenter baselines; print progress and a final table.
 
-    The dashboard serves the run log while the demo runs (its URL is printed first); with `keep_serving` it stays
-    up after the table until Ctrl-C."""
+    With a `dashboard` factory (the CLI passes crossdc.dashboard.app.create_app) the dashboard serves the run log
+    while the demo runs (its URL is printed first); with `keep_serving` it stays up after the table until Ctrl-C."""
     console = Console(stderr=True)
     if not console.is_terminal:  # a log file or a pipe: do not wrap the table at 80 columns
         console = Console(stderr=True, width=150)
@@ -58,14 +61,14 @@ def run_demo(config_path: Path, quick: bool, db: str | None, port: int, runs_dir
     console.print(f"WAN links, emulated by crossdc's link relay between each SuperNode and the SuperLink: {', '.join(links)}")
     console.print("security: everything on loopback (127.0.0.1), plain HTTP, no TLS and no SuperNode authentication; "
                   "a real federation enrolls its datacenters (see the README's Production section)")
-    dashboard = start_dashboard(db_url, dashboard_port, console)
-    if dashboard is not None:
-        console.print(f"dashboard: [bold]{dashboard.url}/[/] (live while the demo runs)")
+    server = start_dashboard(db_url, dashboard_port, console, dashboard) if dashboard is not None else None
+    if server is not None:
+        console.print(f"dashboard: [bold]{server.url}/[/] (live while the demo runs)")
     try:
-        return _run_and_report(console, config, db_url, port, runs_dir, dashboard, keep_serving)
+        return _run_and_report(console, config, db_url, port, runs_dir, server, keep_serving)
     finally:
-        if dashboard is not None:
-            dashboard.stop()
+        if server is not None:
+            server.stop()
 
 
 def _run_and_report(console: Console, config: Any, db_url: str, port: int, runs_dir: Path, dashboard: BackgroundServer | None,
