@@ -1,4 +1,4 @@
-"""The `crossdc` command line (DESIGN.md, "Interfaces other people script against").
+"""The `crossdc` command line (an interface scripts rely on: extend it, never break it).
 
 Every user error — a bad config, an unknown strategy or dataset, a busy port,
 an unreachable database — ends in one line on stderr and a non-zero exit code,
@@ -8,7 +8,6 @@ with no traceback and nothing left running.
 from __future__ import annotations
 
 import json
-import math
 import os
 import signal
 import sys
@@ -199,8 +198,19 @@ def run(
         typer.echo(summary["run_id"])
 
 
-def _jsonable(summary: dict[str, Any]) -> dict[str, Any]:
-    return {k: (None if isinstance(v, float) and not math.isfinite(v) else v) for k, v in summary.items()}
+def _jsonable(value: Any) -> Any:
+    """``value`` as ``json.dumps`` takes it: NaN/±Inf as ``null`` at any depth (JSON has no such numbers),
+    datetimes as ISO 8601 text (the token list)."""
+    from datetime import datetime
+
+    from crossdc.db.values import json_safe
+
+    def iso(obj: Any) -> str:
+        if isinstance(obj, datetime):
+            return obj.isoformat()
+        raise TypeError(f"{type(obj).__name__} is not JSON serializable")
+
+    return json_safe(json.loads(json.dumps(value, default=iso)))
 
 
 @app.command()

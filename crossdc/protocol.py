@@ -27,7 +27,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
-from flwr.app import Array, ArrayRecord, ConfigRecord, RecordDict
+from flwr.app import Array, ArrayRecord, ConfigRecord, MetricRecord, RecordDict
 from flwr.common.serde import recorddict_to_proto
 
 #: record holding tensors: the global weights (down) or the update (up)
@@ -50,6 +50,9 @@ DOWNLINK = "downlink"
 DOWNLINK_BASE = "downlink-base"
 DOWNLINK_VERSION = "downlink-version"
 DOWNLINK_KEY = "downlink"
+#: the record names the protocol itself uses: no strategy tensor group may take one (nor a name that is some
+#: group's layout record, ``<group>-layout``, see :func:`layout_key`)
+RESERVED_RECORDS = frozenset({ARRAYS_KEY, LAYOUT_KEY, CONFIG_KEY, METRICS_KEY, COMPRESSED_KEY, DOWNLINK_KEY})
 #: Flower Array serialisation type of a codec payload: the bytes as they are
 PAYLOAD_STYPE = "crossdc.payload"
 
@@ -281,3 +284,12 @@ def global_model(content: RecordDict) -> dict[str, Any]:
     else:
         message["weights"] = decode_tensors(content)
     return {"downlink": message}
+
+
+def reply_content(answer: Mapping[str, Any]) -> RecordDict:
+    """A train reply's content from the trainer's answer (``payload`` or ``delta``, ``extras``, ``metrics``): the
+    update (codec payload or dense), the strategy's tensor groups, the metrics record."""
+    records: dict[str, Any] = encode_compressed(answer["payload"]) if "payload" in answer else encode_tensors(answer["delta"])
+    for group, arrays in (answer.get("extras") or {}).items():
+        records.update(encode_tensors(arrays, group))
+    return RecordDict({**records, METRICS_KEY: MetricRecord(dict(answer["metrics"]))})

@@ -13,6 +13,7 @@ import numpy as np
 import pytest
 
 from crossdc.clients import local_training
+from crossdc.db.records import DatacenterRoundRecord as Record
 from crossdc.federation.async_loop import merge_rows
 from crossdc.experiment.config import ConfigError, parse_config
 from crossdc.experiment.builders import build_strategy, build_workload
@@ -36,9 +37,7 @@ def update(name: str, value: float, examples: int = 64) -> ClientUpdate:
 
 
 def strategy(cls: type, **params: Any) -> Any:
-    made = cls(1, 1, 0, params=params)
-    made.bind(RUN)
-    return made
+    return cls(params=params, run=RUN)
 
 
 # -- staleness functions ------------------------------------------------------------------------
@@ -137,7 +136,7 @@ def test_fedbuff_at_staleness_zero_and_lr_one_is_fedavg_exactly() -> None:
         s.submit(u, 0, seq=i + 1)
     x = arrays(0.25)
     new, _ = s.step(x)
-    reference = fedavg.aggregate(1, x, ups)
+    reference = fedavg.aggregate(1, x, ups, fedavg.mean_update(ups))
     for name in x:
         np.testing.assert_array_equal(new[name], reference[name])
 
@@ -154,28 +153,27 @@ def test_updates_beyond_max_staleness_are_not_admitted() -> None:
 
 def test_asynchronous_strategies_refuse_the_synchronous_loop() -> None:
     with pytest.raises(StrategyError, match="asynchronous"):
-        strategy(FedBuff).aggregate(1, arrays(0.0), [update("a", 1.0)])
+        strategy(FedBuff).aggregate(1, arrays(0.0), [update("a", 1.0)], arrays(1.0))
 
 
 # -- the loop's row merge ----------------------------------------------------------------------
 
 
 def test_merge_rows_of_one_datacenter_at_one_version() -> None:
-    one = {"status": "ok", "bytes_up": 10, "compute_s": 1.0, "train_loss": 2.0, "num_examples": 30, "staleness": 1}
+    one = Record(status="ok", bytes_up=10, compute_s=1.0, train_loss=2.0, num_examples=30, staleness=1)
     assert merge_rows([one]) == one
     merged = merge_rows([
         one,
-        {"status": "rejected", "reason": "stale update discarded: staleness 6 > max_staleness 4", "bytes_up": 10,
-         "compute_s": 2.0, "train_loss": 5.0, "staleness": 6, "comm_s": None, "comm_source": "relay"},
-        {"status": "ok", "bytes_up": 10, "compute_s": 0.5, "train_loss": 1.0, "num_examples": 10, "staleness": 0,
-         "update_cosine": 0.5},
+        Record(status="rejected", reason="stale update discarded: staleness 6 > max_staleness 4", bytes_up=10,
+               compute_s=2.0, train_loss=5.0, staleness=6, comm_s=None, comm_source="relay"),
+        Record(status="ok", bytes_up=10, compute_s=0.5, train_loss=1.0, num_examples=10, staleness=0, update_cosine=0.5),
     ])
-    assert merged["status"] == "ok" and merged["reason"].startswith("stale update discarded")
-    assert merged["bytes_up"] == 30 and merged["compute_s"] == 3.5 and merged["num_examples"] == 40
-    assert merged["staleness"] == 6 and merged["update_cosine"] == 0.5 and merged["comm_source"] == "relay"
-    assert merged["train_loss"] == pytest.approx((2.0 * 30 + 1.0 * 10) / 40)  # the discarded one kept no example count
-    assert "comm_s" not in merged
-    assert merge_rows([{"status": "timeout", "reason": "x"}, {"status": "failed", "reason": "y"}])["status"] == "failed"
+    assert merged.status == "ok" and merged.reason.startswith("stale update discarded")
+    assert merged.bytes_up == 30 and merged.compute_s == 3.5 and merged.num_examples == 40
+    assert merged.staleness == 6 and merged.update_cosine == 0.5 and merged.comm_source == "relay"
+    assert merged.train_loss == pytest.approx((2.0 * 30 + 1.0 * 10) / 40)  # the discarded one kept no example count
+    assert merged.comm_s is None
+    assert merge_rows([Record(status="timeout", reason="x"), Record(status="failed", reason="y")]).status == "failed"
 
 
 # -- speed emulation ---------------------------------------------------------------------------

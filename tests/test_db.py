@@ -38,7 +38,7 @@ from conftest import via_relay as _via  # noqa: E402
 from tcp_relay import TcpRelay  # noqa: E402
 
 REPO = Path(__file__).resolve().parents[1]
-# The schema of DESIGN.md "SQL schema" plus the agreed extra columns.
+# The schema of the run log: the documented columns plus the agreed extra ones.
 EXPECTED_COLUMNS: dict[str, set[str]] = {
     "runs": {
         "id", "name", "strategy", "config", "status", "started_at", "finished_at",

@@ -56,7 +56,7 @@ def fedavg_round(strategy: FedAvgTau, trainers: dict[str, LocalTrainer], weights
         local = trainer.get_weights()
         delta = {name: local[name] - weights[name] for name in weights}
         updates.append(ClientUpdate(dc, delta, num_examples=result.num_examples))
-    return strategy.aggregate(server_round, weights, updates)
+    return strategy.aggregate(server_round, weights, updates, strategy.mean_update(updates))
 
 
 def sgd_step_on(workload: Workload, weights: dict[str, np.ndarray], batches: list[tuple[torch.Tensor, torch.Tensor]]) -> dict[str, np.ndarray]:
@@ -105,7 +105,7 @@ def test_fedavg_tau1_equal_shards_is_one_synchronous_sgd_step(model: str) -> Non
     synchronous = dict(w0)
     moved = 0.0
     for server_round in range(1, 4):  # several rounds: each one is one synchronous step
-        federated = fedavg_round(FedAvgTau(1, 1, 0), trainers, federated, tau=1, server_round=server_round)
+        federated = fedavg_round(FedAvgTau(), trainers, federated, tau=1, server_round=server_round)
         batches = [streams[dc].next() for dc in DCS]
         assert all(len(b[0]) == batch for b in batches)
         reference = sgd_step_on(workload, synchronous, batches)
@@ -133,7 +133,8 @@ def test_fedavg_tau1_unequal_batches_weights_by_examples() -> None:
         local = trainer.get_weights()
         single_steps[dc] = local
         updates.append(ClientUpdate(dc, {n: local[n] - w0[n] for n in w0}, num_examples=result.num_examples))
-    federated = FedAvgTau(1, 1, 0).aggregate(1, w0, updates)
+    fedavg = FedAvgTau()
+    federated = fedavg.aggregate(1, w0, updates, fedavg.mean_update(updates))
 
     # independent: each datacenter's single SGD step from w0 on its own batch ...
     batches = {dc: BatchStream(workload.shard(dc), sizes[dc], DC_SEEDS[dc]).next() for dc in DCS}
@@ -155,7 +156,7 @@ def test_fedavg_tau2_differs_from_two_synchronous_steps() -> None:
     w0 = initial_weights(workload)
     batch = 16
     trainers = make_trainers(workload, {"a": batch, "b": batch})
-    federated = fedavg_round(FedAvgTau(2, 2, 0), trainers, w0, tau=2)
+    federated = fedavg_round(FedAvgTau(tau=2), trainers, w0, tau=2)
 
     streams = {dc: BatchStream(workload.shard(dc), batch, DC_SEEDS[dc]) for dc in DCS}
     synchronous = dict(w0)

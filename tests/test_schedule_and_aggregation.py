@@ -12,7 +12,7 @@ from crossdc.strategies.aggregation import add, cosine, l2_norm, weighted_averag
 from crossdc.strategies.base import ClientUpdate, Parameter, Strategy, StrategyError
 from crossdc.strategies.fedavg import FedAvgTau
 from crossdc.strategies.registry import available_strategies, strategy_class
-from crossdc.strategies.schedule import tau_for_round
+from crossdc.strategies.schedule import TauSchedule, tau_for_round
 
 # -- tau_for_round ----------------------------------------------------------------
 
@@ -152,7 +152,7 @@ def test_cosine_with_a_zero_vector_is_zero() -> None:
 
 
 def test_fedavg_aggregate_is_weights_plus_weighted_mean_delta() -> None:
-    strategy = FedAvgTau(1, 1, 0)
+    strategy = FedAvgTau()
     w = {"w": np.array([1.0, 1.0], np.float32), "b": np.array([0.5], np.float32)}
     updates = [
         ClientUpdate("a", {"w": np.array([2.0, 0.0], np.float32), "b": np.array([1.0], np.float32)}, num_examples=1),
@@ -162,7 +162,7 @@ def test_fedavg_aggregate_is_weights_plus_weighted_mean_delta() -> None:
     mean = strategy.mean_update(updates)
     np.testing.assert_array_equal(mean["w"], np.array([-1.0, 3.0], np.float32))
     np.testing.assert_array_equal(mean["b"], np.array([-0.5], np.float32))
-    new = strategy.aggregate(1, w, updates)
+    new = strategy.aggregate(1, w, updates, mean)
     np.testing.assert_array_equal(new["w"], np.array([0.0, 4.0], np.float32))
     np.testing.assert_array_equal(new["b"], np.array([0.0], np.float32))
     assert new["w"].dtype == np.float32
@@ -171,20 +171,22 @@ def test_fedavg_aggregate_is_weights_plus_weighted_mean_delta() -> None:
 
 def test_fedavg_single_update_is_applied_fully() -> None:
     w = {"x": np.array([1.0, -1.0], np.float32)}
-    new = FedAvgTau(1, 1, 0).aggregate(3, w, [ClientUpdate("a", {"x": np.array([0.25, 0.5], np.float32)}, 10)])
+    updates = [ClientUpdate("a", {"x": np.array([0.25, 0.5], np.float32)}, 10)]
+    s = FedAvgTau()
+    new = s.aggregate(3, w, updates, s.mean_update(updates))
     np.testing.assert_array_equal(new["x"], np.array([1.25, -0.5], np.float32))
 
 
 def test_fedavg_tau_follows_schedule() -> None:
-    s = FedAvgTau(1, 50, 5)
+    s = FedAvgTau(tau=TauSchedule(1, 50, 5))
     assert [s.tau(r) for r in range(1, 8)] == [1, 11, 21, 30, 40, 50, 50]
-    g = FedAvgTau(1, 16, 4, "geometric")
+    g = FedAvgTau(tau=TauSchedule(1, 16, 4, "geometric"))
     assert [g.tau(r) for r in range(1, 6)] == [1, 2, 4, 8, 16]
-    assert FedAvgTau(4, 4, 0).tau(1) == 4
+    assert FedAvgTau(tau=TauSchedule(4, 4, 0)).tau(1) == 4
 
 
 def test_fedavg_defaults() -> None:
-    s = FedAvgTau(1, 1, 0)
+    s = FedAvgTau()
     assert isinstance(s, Strategy)
     assert s.name == "fedavg"
     assert s.params == {}
@@ -195,15 +197,15 @@ def test_fedavg_defaults() -> None:
 
 def test_unknown_strategy_parameter_is_named() -> None:
     with pytest.raises(StrategyError, match="unknown parameter 'mu' for strategy 'fedavg'") as info:
-        FedAvgTau(1, 1, 0, params={"mu": 0.01})
+        FedAvgTau(params={"mu": 0.01})
     assert "\n" not in str(info.value)
 
 
 def test_bad_schedule_fails_at_construction() -> None:
     with pytest.raises(ValueError, match="tau must be ≥ 1"):
-        FedAvgTau(0, 5, 2)
+        FedAvgTau(tau=TauSchedule(0, 5, 2))
     with pytest.raises(ValueError, match="unknown tau schedule kind"):
-        FedAvgTau(1, 5, 2, "cubic")
+        FedAvgTau(tau=TauSchedule(1, 5, 2, "cubic"))
 
 
 def test_strategy_parameters_defaults_and_overrides() -> None:
@@ -211,10 +213,10 @@ def test_strategy_parameters_defaults_and_overrides() -> None:
         name = "with-params"
         parameters = {"mu": Parameter(float, 0.01, "proximal weight"), "beta": Parameter(float, 0.9, "momentum")}
 
-    s = WithParams(1, 1, 0, params={"mu": 0.5})
+    s = WithParams(params={"mu": 0.5})
     assert s.params == {"mu": 0.5, "beta": 0.9}
     with pytest.raises(StrategyError, match="unknown parameter 'gamma' for strategy 'with-params'; known: beta, mu"):
-        WithParams(1, 1, 0, params={"gamma": 1})
+        WithParams(params={"gamma": 1})
 
 
 def test_registry_finds_fedavg() -> None:

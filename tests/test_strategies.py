@@ -16,7 +16,7 @@ import json
 from collections.abc import Iterator
 from pathlib import Path
 from types import SimpleNamespace
-from typing import ClassVar
+from typing import Any, ClassVar
 
 import numpy as np
 import pytest
@@ -28,24 +28,30 @@ from torch.utils.data import TensorDataset
 from crossdc.protocol import CONTROL_KEY, METRICS_KEY, encode_tensors
 from crossdc.experiment.config import parse_config
 from crossdc.experiment.builders import build_strategy
-from crossdc.federation.sync_loop import Reply, judge_reply
+from crossdc.federation.grid_io import Reply
+from crossdc.federation.update_gate import GateRules, judge_reply
 from crossdc.testing.inprocess import InProcessFederation
 from crossdc.strategies.aggregation import mean, nesterov_sgd_step, scaffold_client_control, scaffold_server_step
-from crossdc.strategies.base import ClientUpdate, Parameter, RunInfo, Strategy, StrategyError
+from crossdc.strategies.base import LOOPS, ClientUpdate, Parameter, RunInfo, Strategy, StrategyError
 from crossdc.strategies.diloco import DiLoCo
 from crossdc.strategies.fedavg import FedAvgTau
 from crossdc.strategies.fedprox import FedProx, proximal_term
 from crossdc.strategies.registry import available_strategies, describe_strategies, register_strategy, strategy_class, unregister_strategy
 from crossdc.strategies.scaffold import Scaffold
+from crossdc.strategies.schedule import TauSchedule
 from crossdc.workloads import Workload, WorkloadSpec, load_workload
 from crossdc.workloads.registry import register_workload, unregister_workload
 
 pytestmark = pytest.mark.timeout(120)
 
 
-def bound(strategy: Strategy, datacenters: int = 4, optimizer: str = "sgd", lr: float = 0.1) -> Strategy:
-    strategy.bind(RunInfo(tuple(f"dc-{i}" for i in range(datacenters)), optimizer, lr))
-    return strategy
+def built(cls: type[Strategy], params: dict | None = None, datacenters: int = 4, optimizer: str = "sgd", lr: float = 0.1) -> Strategy:
+    return cls(params=params, run=RunInfo(tuple(f"dc-{i}" for i in range(datacenters)), optimizer, lr))
+
+
+def aggregate(strategy: Strategy, server_round: int, weights: dict, updates: list[ClientUpdate]) -> dict[str, np.ndarray]:
+    """The server step as the round loop takes it: the mean update computed once, handed to aggregate."""
+    return strategy.aggregate(server_round, weights, updates, strategy.mean_update(updates))
 
 
 def arr(*values: float) -> np.ndarray:
@@ -130,65 +136,66 @@ def updates_of(*pairs: tuple[float, int], control: list[float] | None = None) ->
 
 
 def test_diloco_two_outer_steps_by_hand() -> None:
-    s = bound(DiLoCo(1, 1, 0, params={"outer_lr": 0.7, "outer_momentum": 0.9}), optimizer="adamw")
+    s = built(DiLoCo, {"outer_lr": 0.7, "outer_momentum": 0.9}, optimizer="adamw")
     # mean Δy weighted 1:3 of −1 and −3 = −2.5  ⇒  g = 2.5; b = 2.5; d = 2.5 + 0.9·2.5 = 4.75; x = 1 − 0.7·4.75 = −2.325
-    x = s.aggregate(1, {"w": arr(1)}, updates_of((-1, 1), (-3, 3)))
+    x = aggregate(s, 1, {"w": arr(1)}, updates_of((-1, 1), (-3, 3)))
     assert x["w"][0] == pytest.approx(-2.325, abs=1e-6)
     saved = json.loads(json.dumps({k: {n: a.tolist() for n, a in v.items()} if isinstance(v, dict) else v
                                    for k, v in s.state_dict().items()}))
     # g = −1; b = 0.9·2.5 − 1 = 1.25; d = −1 + 0.9·1.25 = 0.125; x = −2.325 − 0.7·0.125 = −2.4125
-    x2 = s.aggregate(2, x, updates_of((1, 1), (1, 1)))
+    x2 = aggregate(s, 2, x, updates_of((1, 1), (1, 1)))
     assert x2["w"][0] == pytest.approx(-2.4125, abs=1e-6)
     # the outer optimizer's state is checkpointable: a fresh strategy restored from it takes the same step
-    restored = bound(DiLoCo(1, 1, 0, params={"outer_lr": 0.7, "outer_momentum": 0.9}), optimizer="adamw")
+    restored = built(DiLoCo, {"outer_lr": 0.7, "outer_momentum": 0.9}, optimizer="adamw")
     restored.load_state_dict({"outer_steps": saved["outer_steps"],
                               "momentum_buffer": {n: np.array(v, np.float32) for n, v in saved["momentum_buffer"].items()}})
-    np.testing.assert_array_equal(restored.aggregate(2, x, updates_of((1, 1), (1, 1)))["w"], x2["w"])
+    np.testing.assert_array_equal(aggregate(restored, 2, x, updates_of((1, 1), (1, 1)))["w"], x2["w"])
     assert restored.round_metrics(2, [])["outer_steps"] == 2
 
 
 def test_diloco_outer_lr_1_momentum_0_is_fedavg_exactly() -> None:
     rng = np.random.default_rng(2)
-    diloco = bound(DiLoCo(1, 1, 0, params={"outer_lr": 1.0, "outer_momentum": 0.0}), optimizer="adamw")
-    fedavg = FedAvgTau(1, 1, 0)
+    diloco = built(DiLoCo, {"outer_lr": 1.0, "outer_momentum": 0.0}, optimizer="adamw")
+    fedavg = FedAvgTau()
     x_d = x_f = {"w": rng.normal(size=(4, 3)).astype(np.float32)}
     for r in range(1, 6):
         updates = [ClientUpdate(f"dc-{i}", {"w": rng.normal(size=(4, 3)).astype(np.float32)}, int(rng.integers(1, 9))) for i in range(3)]
-        x_d, x_f = diloco.aggregate(r, x_d, updates), fedavg.aggregate(r, x_f, updates)
+        x_d, x_f = aggregate(diloco, r, x_d, updates), aggregate(fedavg, r, x_f, updates)
         np.testing.assert_array_equal(x_d["w"], x_f["w"])
 
 
 def test_scaffold_aggregate_and_state() -> None:
-    s = bound(Scaffold(1, 1, 0, params={"global_lr": 0.5}), datacenters=4)
+    s = built(Scaffold, {"global_lr": 0.5}, datacenters=4)
     x0 = {"w": arr(1)}
     assert s.client_arrays(1, x0)[CONTROL_KEY]["w"][0] == 0  # c starts at 0
     # 2 of N = 4 replied: x = 1 + 0.5·mean(2, 4) = 2.5; c = 0 + (2/4)·mean(1, 3) = 1
-    x = s.aggregate(1, x0, updates_of((2, 10), (4, 10), control=[1, 3]))
+    x = aggregate(s, 1, x0, updates_of((2, 10), (4, 10), control=[1, 3]))
     assert x["w"][0] == pytest.approx(2.5) and s.control["w"][0] == pytest.approx(1.0)
     np.testing.assert_array_equal(s.client_arrays(2, x)[CONTROL_KEY]["w"], arr(1))
     state = s.state_dict()
-    fresh = bound(Scaffold(1, 1, 0), datacenters=4)
+    fresh = built(Scaffold, datacenters=4)
     fresh.load_state_dict(state)
     np.testing.assert_array_equal(fresh.control["w"], arr(1))
     with pytest.raises(StrategyError, match="no tensor group 'control'"):
-        s.aggregate(2, x, updates_of((2, 10)))
+        aggregate(s, 2, x, updates_of((2, 10)))
 
 
 def test_a_reply_without_the_control_group_is_rejected_by_the_gate() -> None:
     weights = {"w": np.zeros((2, 2), np.float32)}
     metrics = MetricRecord({"num-examples": 4, "compute-s": 0.0, "train-loss": 1.0})
 
-    def judged(content: RecordDict) -> dict:
+    def judged(content: RecordDict) -> Any:
         reply = Reply(SimpleNamespace(has_error=lambda: False, content=content), received_at=1.0)  # type: ignore[arg-type]
-        return judge_reply(reply, weights, tau=1, batch_size=4, pushed_at=0.0, timeout_reason="", reply_groups=(CONTROL_KEY,)).row
+        return judge_reply(reply, "us-east", weights, tau=1, pushed_at=0.0, timeout_reason="",
+                           rules=GateRules(batch_size=4, reply_groups=(CONTROL_KEY,))).record
 
     without = judged(RecordDict({**encode_tensors(weights), METRICS_KEY: metrics}))
-    assert without["status"] == "rejected" and "no tensor group 'control'" in without["reason"]
+    assert without.status == "rejected" and "no tensor group 'control'" in without.reason
     bad = judged(RecordDict({**encode_tensors(weights), **encode_tensors({"w": np.full((2, 2), np.nan, np.float32)}, CONTROL_KEY),
                              METRICS_KEY: metrics}))
-    assert bad["status"] == "rejected" and "tensor group 'control'" in bad["reason"] and "NaN" in bad["reason"]
+    assert bad.status == "rejected" and "tensor group 'control'" in bad.reason and "NaN" in bad.reason
     good = judged(RecordDict({**encode_tensors(weights), **encode_tensors(weights, CONTROL_KEY), METRICS_KEY: metrics}))
-    assert good["status"] == "ok"
+    assert good.status == "ok"
 
 
 def test_proximal_term_value_and_gradient() -> None:
@@ -202,15 +209,55 @@ def test_proximal_term_value_and_gradient() -> None:
     np.testing.assert_allclose(model.weight.grad.numpy(), [[1.0, -1.0]])  # μ·(w − w_g)
 
 
-def test_bind_checks_the_inner_optimizer() -> None:
+def test_construction_checks_the_inner_optimizer() -> None:
     with pytest.raises(StrategyError, match="strategy 'scaffold' needs workload.optimizer = \"sgd\""):
-        bound(Scaffold(1, 1, 0), optimizer="adamw")
+        built(Scaffold, optimizer="adamw")
     with pytest.raises(StrategyError, match="strategy 'diloco' needs workload.optimizer = \"adamw\""):
-        bound(DiLoCo(1, 1, 0), optimizer="sgd")
+        built(DiLoCo, optimizer="sgd")
     with pytest.raises(StrategyError, match="strategy 'fedprox' parameter 'mu' must be ≥ 0"):
-        FedProx(1, 1, 0, params={"mu": -1})
+        FedProx(params={"mu": -1})
     with pytest.raises(StrategyError, match="strategy 'diloco' parameter 'outer_lr' must be float, got str"):
-        DiLoCo(1, 1, 0, params={"outer_lr": "fast"})
+        DiLoCo(params={"outer_lr": "fast"})
+    with pytest.raises(StrategyError, match="strategy 'scaffold' was built without a run"):
+        Scaffold().num_datacenters
+
+
+def test_construction_is_by_keyword_and_complete() -> None:
+    with pytest.raises(TypeError):
+        FedAvgTau(1, 1, 0)  # type: ignore[misc]
+    s = FedProx(tau=TauSchedule(1, 8, 3), params={"mu": 0.5}, run=RunInfo(("a", "b"), "sgd", 0.1),
+                robust_aggregation="trimmed_mean", trim_fraction=0.1)
+    assert (s.params, s.num_datacenters, s.robust_aggregation, s.trim_fraction) == ({"mu": 0.5}, 2, "trimmed_mean", 0.1)
+    assert [s.tau(r) for r in range(1, 5)] == [1, 3, 6, 8]
+    assert FedAvgTau().tau(7) == 1 and FedAvgTau(tau=5).tau(1) == 5 == FedAvgTau(tau=TauSchedule(5, 5)).tau(3)
+    assert FedAvgTau.loop == "sync" and FedProx.loop == "sync" and Scaffold.loop == "sync" and DiLoCo.loop == "sync"
+
+
+def test_setup_is_the_one_hook_for_state() -> None:
+    class Counting(Strategy):
+        name = "counting"
+
+        def setup(self) -> None:
+            self.seen: list[int] = [len(self.run.datacenters) if self.run else 0]
+
+    assert Counting(run=RunInfo(("a", "b", "c"), "sgd", 0.1)).seen == [3] and Counting().seen == [0]
+
+
+@pytest.mark.parametrize("attribute, group", [("reply_groups", "arrays"), ("reply_groups", "metrics"),
+                                              ("client_groups", "config"), ("client_groups", "layout"),
+                                              ("reply_groups", "compressed"), ("client_groups", "downlink"),
+                                              ("reply_groups", "metrics-layout"), ("client_groups", "control-layout")])
+def test_a_tensor_group_may_not_take_a_reserved_record_name(attribute: str, group: str) -> None:
+    groups = ("control", group) if group == "control-layout" else (group,)
+    with pytest.raises(StrategyError, match=f"strategy class Clash: tensor group '{group}' is a record name the protocol reserves"):
+        type("Clash", (Strategy,), {"name": "clash", attribute: groups})
+    type("Fine", (Strategy,), {"name": "fine", attribute: ("momentum",)})  # any other name is fine
+
+
+def test_an_unknown_loop_is_refused_at_class_definition() -> None:
+    assert LOOPS == ("sync", "async")
+    with pytest.raises(StrategyError, match="strategy class Gossip: unknown loop 'gossip'; known: sync, async"):
+        type("Gossip", (Strategy,), {"name": "gossip", "loop": "gossip"})
 
 
 # -- a least-squares problem with a known optimum, on the real datacenter code ------------------------
@@ -269,10 +316,11 @@ def lsq_workload() -> Iterator[Workload]:
         unregister_workload("lsq-test")
 
 
-def drive(workload: Workload, strategy: Strategy, rounds: int, root: Path, optimizer: str = "sgd", lr: float = 0.05) -> InProcessFederation:
-    strategy.bind(RunInfo(tuple(LSQ_DATACENTERS), optimizer, lr))
+def drive(workload: Workload, cls: type[Strategy], tau: int, rounds: int, root: Path, params: dict | None = None,
+          optimizer: str = "sgd", lr: float = 0.05) -> InProcessFederation:
+    strategy = cls(tau=tau, params=params, run=RunInfo(tuple(LSQ_DATACENTERS), optimizer, lr))
     weights = {"weight": np.zeros((1, FEATURES), np.float32)}
-    fed = InProcessFederation(workload, strategy, LSQ_DATACENTERS, POINTS, optimizer, lr,
+    fed = InProcessFederation.from_parts(workload, strategy, LSQ_DATACENTERS, POINTS, optimizer, lr,
                               {dc: 10 + i for i, dc in enumerate(LSQ_DATACENTERS)}, root, weights)
     for _ in range(rounds):
         result = fed.run_round()
@@ -287,15 +335,15 @@ def distance(fed: InProcessFederation, optimum: np.ndarray) -> float:
 def test_scaffold_reaches_the_optimum_where_fedavg_does_not(lsq_workload: LeastSquares, tmp_path: Path) -> None:
     optimum = lsq_workload.optimum()
     tau, rounds = 10, 150
-    fedavg = distance(drive(lsq_workload, FedAvgTau(tau, tau, 0), rounds, tmp_path / "fedavg"), optimum)
-    scaffold_fed = drive(lsq_workload, Scaffold(tau, tau, 0), rounds, tmp_path / "scaffold")
+    fedavg = distance(drive(lsq_workload, FedAvgTau, tau, rounds, tmp_path / "fedavg"), optimum)
+    scaffold_fed = drive(lsq_workload, Scaffold, tau, rounds, tmp_path / "scaffold")
     scaffold = distance(scaffold_fed, optimum)
     assert np.linalg.norm(optimum) > 1.0
     assert scaffold < 1e-4, scaffold
     assert fedavg > 0.05, fedavg  # FedAvg's fixed point is biased: measurably away, not slowly converging
     assert fedavg > 1000 * scaffold
     # FedAvg has converged to its fixed point (it is a bias, not slowness): 50 more rounds change nothing
-    more = distance(drive(lsq_workload, FedAvgTau(tau, tau, 0), rounds + 50, tmp_path / "fedavg-more"), optimum)
+    more = distance(drive(lsq_workload, FedAvgTau, tau, rounds + 50, tmp_path / "fedavg-more"), optimum)
     assert more == pytest.approx(fedavg, rel=1e-3)
     # the server's c is the mean of the datacenters' stored c_i (every datacenter replied every round)
     stored = [scaffold_fed.stores[dc].load("scaffold-control") for dc in LSQ_DATACENTERS]
@@ -306,23 +354,23 @@ def test_scaffold_reaches_the_optimum_where_fedavg_does_not(lsq_workload: LeastS
 def test_fedprox_moves_the_fixed_point_towards_the_optimum(lsq_workload: LeastSquares, tmp_path: Path) -> None:
     optimum = lsq_workload.optimum()
     tau = 10
-    fedavg = drive(lsq_workload, FedAvgTau(tau, tau, 0), 150, tmp_path / "fedavg")
+    fedavg = drive(lsq_workload, FedAvgTau, tau, 150, tmp_path / "fedavg")
     distances = {}
     for mu, rounds in ((0.0, 150), (1.0, 150), (4.0, 150), (16.0, 400)):  # a larger μ takes smaller steps: more rounds
-        fed = drive(lsq_workload, FedProx(tau, tau, 0, params={"mu": mu}), rounds, tmp_path / f"mu-{mu}")
+        fed = drive(lsq_workload, FedProx, tau, rounds, tmp_path / f"mu-{mu}", {"mu": mu})
         distances[mu] = distance(fed, optimum)
         if mu == 0.0:  # μ = 0 is exactly FedAvg
             np.testing.assert_array_equal(fed.weights["weight"], fedavg.weights["weight"])
     assert distances[0.0] > distances[1.0] > distances[4.0] > distances[16.0], distances
     assert distances[16.0] < 0.4 * distances[0.0], distances
     # these are fixed points, not snapshots of a slow descent: 50 more rounds at μ = 4 change nothing
-    longer = distance(drive(lsq_workload, FedProx(tau, tau, 0, params={"mu": 4.0}), 200, tmp_path / "mu-4-longer"), optimum)
+    longer = distance(drive(lsq_workload, FedProx, tau, 200, tmp_path / "mu-4-longer", {"mu": 4.0}), optimum)
     assert longer == pytest.approx(distances[4.0], rel=1e-3)
 
 
 def test_diloco_momentum_0_lr_1_is_fedavg_on_the_real_client_code(lsq_workload: LeastSquares, tmp_path: Path) -> None:
-    fedavg = drive(lsq_workload, FedAvgTau(5, 5, 0), 4, tmp_path / "fedavg", optimizer="adamw")
-    diloco = drive(lsq_workload, DiLoCo(5, 5, 0, params={"outer_lr": 1.0, "outer_momentum": 0.0}), 4, tmp_path / "diloco", optimizer="adamw")
+    fedavg = drive(lsq_workload, FedAvgTau, 5, 4, tmp_path / "fedavg", optimizer="adamw")
+    diloco = drive(lsq_workload, DiLoCo, 5, 4, tmp_path / "diloco", {"outer_lr": 1.0, "outer_momentum": 0.0}, optimizer="adamw")
     np.testing.assert_array_equal(diloco.weights["weight"], fedavg.weights["weight"])
     # the inner AdamW's moments carry over between rounds in each datacenter's state store
     state, stored_round = diloco.stores["dc-a"].load("local-trainer")
@@ -330,7 +378,7 @@ def test_diloco_momentum_0_lr_1_is_fedavg_on_the_real_client_code(lsq_workload: 
 
 
 def test_a_datacenter_that_misses_a_round_keeps_its_control_variate(lsq_workload: LeastSquares, tmp_path: Path) -> None:
-    fed = drive(lsq_workload, Scaffold(3, 3, 0), 2, tmp_path)
+    fed = drive(lsq_workload, Scaffold, 3, 2, tmp_path)
     before = fed.stores["dc-c"].load("scaffold-control")
     result = fed.run_round(participants=["dc-a", "dc-b"])
     assert [u.datacenter for u in result.updates] == ["dc-a", "dc-b"]
@@ -361,8 +409,8 @@ def test_decorator_registers_a_strategy_for_this_process() -> None:
 
         parameters = {"factor": Parameter(float, 0.5, "fraction of the mean update", low=0.0, high=1.0)}
 
-        def aggregate(self, server_round, global_weights, updates):  # type: ignore[no-untyped-def]
-            return {n: global_weights[n] + self.params["factor"] * self.mean_update(updates)[n] for n in global_weights}
+        def aggregate(self, server_round, global_weights, updates, mean):  # type: ignore[no-untyped-def]
+            return {n: global_weights[n] + self.params["factor"] * mean[n] for n in global_weights}
 
     try:
         assert strategy_class("half-step") is HalfStep and HalfStep.name == "half-step"
@@ -372,7 +420,7 @@ def test_decorator_registers_a_strategy_for_this_process() -> None:
                                "strategy": {"name": "half-step", "params": {"factor": 0.25}}, "datacenters": [{"name": "a"}]})
         assert build_strategy(config).params == {"factor": 0.25}
         with pytest.raises(StrategyError, match="strategy 'half-step' parameter 'factor' must be ≤ 1"):
-            HalfStep(1, 1, 0, params={"factor": 2})
+            HalfStep(params={"factor": 2})
         with pytest.raises(StrategyError, match="strategy name 'fedavg' is already registered"):
             register_strategy("fedavg")(HalfStep)
     finally:

@@ -23,7 +23,9 @@ from crossdc.protocol import CONTROL_KEY, METRICS_KEY, encode_compressed, encode
 from crossdc.testing import inprocess
 from crossdc.experiment.config import parse_config
 from crossdc.experiment.builders import build_strategy
-from crossdc.federation.sync_loop import Reply, judge_reply
+from crossdc.db.records import DatacenterRoundRecord
+from crossdc.federation.grid_io import Reply
+from crossdc.federation.update_gate import GateRules, judge_reply
 from crossdc.testing.inprocess import InProcessFederation
 from crossdc.federation.update_gate import norm_outliers, size_rejection_reason, update_norm_outliers, update_size_limit
 from crossdc.strategies.aggregation import weighted_average
@@ -133,19 +135,20 @@ def test_judge_reply_refuses_an_oversized_payload_before_decoding() -> None:
     content = RecordDict({**encode_tensors({"w": np.ones((2, 2), np.float32)}), METRICS_KEY: metrics()})
     size = payload_bytes(content)
 
-    def judged(content: RecordDict, max_bytes: int | None, compressed: bool = False) -> dict[str, Any]:
-        return judge_reply(reply_with(content), WEIGHTS, tau=1, batch_size=4, pushed_at=0.0, timeout_reason="",
-                           compressed=compressed, max_bytes=max_bytes).row
+    def judged(content: RecordDict, max_bytes: int | None, compressed: bool = False) -> DatacenterRoundRecord:
+        rules = GateRules(batch_size=4, compressed=compressed, max_bytes=max_bytes)
+        return judge_reply(reply_with(content), "us-east", WEIGHTS, tau=1, pushed_at=0.0, timeout_reason="",
+                           rules=rules).record
 
-    assert judged(content, max_bytes=size)["status"] == "ok"
-    assert judged(content, max_bytes=None)["status"] == "ok"
+    assert judged(content, max_bytes=size).status == "ok"
+    assert judged(content, max_bytes=None).status == "ok"
     row = judged(content, max_bytes=size - 1)
-    assert row == {"round_s": 1.0, "bytes_up": size, "status": "rejected",
-                   "reason": f"payload of {size} bytes exceeds the limit of {size - 1} bytes"}
+    assert row == DatacenterRoundRecord(round_s=1.0, bytes_up=size, status="rejected",
+                                        reason=f"payload of {size} bytes exceeds the limit of {size - 1} bytes")
     # a codec payload of garbage: under the limit the codec's error rejects it, over it the size does, first
     garbage = RecordDict({**encode_compressed(np.frombuffer(b"\x07" * 5000, np.uint8)), METRICS_KEY: metrics()})
-    assert judged(garbage, max_bytes=10**6, compressed=True)["reason"].startswith("undecodable update")
-    assert "exceeds the limit of 1000 bytes" in judged(garbage, max_bytes=1000, compressed=True)["reason"]
+    assert judged(garbage, max_bytes=10**6, compressed=True).reason.startswith("undecodable update")
+    assert "exceeds the limit of 1000 bytes" in judged(garbage, max_bytes=1000, compressed=True).reason
 
 
 # -- robust aggregation ---------------------------------------------------------------------------------------
@@ -186,13 +189,11 @@ def test_bad_robust_aggregation_arguments() -> None:
     with pytest.raises(ValueError, match=r"trim fraction must be in \[0, 0.5\)"):
         robust_mean(UPDATES, [1] * 3, "trimmed_mean", 0.5)
     with pytest.raises(StrategyError, match="strategy 'fedavg': unknown robust aggregation 'mode'"):
-        FedAvgTau(1, 1, 0).use_robust_aggregation("mode")
+        FedAvgTau(robust_aggregation="mode")
 
 
-def bound(strategy: Strategy, optimizer: str) -> Strategy:
-    strategy.bind(RunInfo(("a", "b", "c"), optimizer, 0.1))
-    strategy.use_robust_aggregation("median")
-    return strategy
+def by_median(cls: type[Strategy], optimizer: str, params: dict[str, Any] | None = None) -> Strategy:
+    return cls(params=params, run=RunInfo(("a", "b", "c"), optimizer, 0.1), robust_aggregation="median")
 
 
 def client_updates(control: bool = False) -> list[ClientUpdate]:
@@ -200,19 +201,19 @@ def client_updates(control: bool = False) -> list[ClientUpdate]:
             for dc, u, n, c in zip("abc", UPDATES, (100, 1, 1), (3, 6, 30))]
 
 
-@pytest.mark.parametrize("strategy, optimizer", [(FedAvgTau(1, 1, 0), "adamw"), (FedProx(1, 1, 0), "adamw"),
-                                                 (DiLoCo(1, 1, 0, params={"outer_lr": 1.0, "outer_momentum": 0.0}), "adamw")],
-                         ids=["fedavg", "fedprox", "diloco"])
-def test_strategies_step_by_the_median(strategy: Strategy, optimizer: str) -> None:
+@pytest.mark.parametrize("cls, params", [(FedAvgTau, None), (FedProx, None),
+                                         (DiLoCo, {"outer_lr": 1.0, "outer_momentum": 0.0})], ids=["fedavg", "fedprox", "diloco"])
+def test_strategies_step_by_the_median(cls: type[Strategy], params: dict[str, Any] | None) -> None:
     x = {"w": arr(10, 10), "b": arr(1)}
-    new = bound(strategy, optimizer).aggregate(1, x, client_updates())
+    strategy, updates = by_median(cls, "adamw", params), client_updates()
+    new = strategy.aggregate(1, x, updates, strategy.mean_update(updates))
     np.testing.assert_array_equal(new["w"], arr(12, 10))
     np.testing.assert_array_equal(new["b"], arr(1))
 
 
 def test_scaffold_steps_by_the_median_but_averages_control_variates_plainly() -> None:
-    s = bound(Scaffold(1, 1, 0), "sgd")
-    new = s.aggregate(1, {"w": arr(0, 0), "b": arr(0)}, client_updates(control=True))
+    s, updates = by_median(Scaffold, "sgd"), client_updates(control=True)
+    new = s.aggregate(1, {"w": arr(0, 0), "b": arr(0)}, updates, s.mean_update(updates))
     np.testing.assert_array_equal(new["w"], arr(2, 0))
     assert s.control is not None
     np.testing.assert_array_equal(s.control["w"], arr(13, 13))  # (3/3) · mean(3, 6, 30), not the median 6

@@ -14,13 +14,13 @@ from __future__ import annotations
 import time
 from pathlib import Path
 
-from flwr.app import ConfigRecord, Context, Message, MetricRecord, RecordDict
+from flwr.app import ConfigRecord, Context, Message, RecordDict
 from flwr.clientapp import ClientApp
 
 from crossdc import protocol as proto
 from crossdc.clients.channel import call_trainer
 from crossdc.experiment.rundir import RunDir
-from crossdc.protocol import CONFIG_KEY, METRICS_KEY, TrainRequest, encode_compressed, encode_tensors
+from crossdc.protocol import CONFIG_KEY, TrainRequest, reply_content
 
 app = ClientApp()
 
@@ -69,10 +69,5 @@ def train(msg: Message, context: Context) -> Message:
         socket_path = context.node_config.get(proto.NODE_TRAINER) or run_dir.trainer_socket(datacenter)
         authkey_file = context.node_config.get(proto.NODE_TRAINER_AUTHKEY_FILE) or run_dir.authkey_file
     answer = call_trainer(str(socket_path), Path(str(authkey_file)).read_bytes(), request.to_dict())
-    metrics = dict(answer["metrics"])
-    metrics[proto.CLIENTAPP_S] = time.perf_counter() - started
-    records: dict = encode_compressed(answer["payload"]) if "payload" in answer else encode_tensors(answer["delta"])
-    for group, arrays in (answer.get("extras") or {}).items():
-        records.update(encode_tensors(arrays, group))
-    content = RecordDict({**records, METRICS_KEY: MetricRecord(metrics)})
-    return Message(content, reply_to=msg)
+    answer["metrics"] = {**answer["metrics"], proto.CLIENTAPP_S: time.perf_counter() - started}
+    return Message(reply_content(answer), reply_to=msg)

@@ -48,7 +48,7 @@ def run_local_round(strategy: Strategy, trainer: LocalTrainer, store: Datacenter
                            parameter_names=trainer.parameter_names(), state_round=state_round)
     plan = strategy.local_plan(context, weights, received, state)
     if broadcast is not None:
-        broadcast({"op": "train", "tau": tau, "weights": weights, "plan": plan})
+        broadcast({"op": proto.TRAIN_OP, "tau": tau, "weights": weights, "plan": plan})
     result = train_with_plan(strategy, trainer, tau, weights, plan)
     local = trainer.get_weights()
     delta = {name: local[name] - np.asarray(weights[name], dtype=np.float32) for name in local}

@@ -32,6 +32,8 @@ from multiprocessing.connection import Listener
 from pathlib import Path
 from typing import Any
 
+from cachetools import LRUCache
+
 from crossdc.clients.channel import TrainerUnavailable, call_trainer, serve_requests
 from crossdc.experiment.config import ConfigError, parse_config
 from crossdc.experiment.processes import ProcessGroup, die_with_parent
@@ -63,6 +65,21 @@ def node_authkey(state_dir: Path) -> bytes:
     return path.read_bytes()
 
 
+class _Trainers(LRUCache):
+    """The runs whose trainers are kept alive, least recently used first: at most ``maxsize`` of them; making room
+    for another evicts the least recently used run, and evicting a run stops its trainer."""
+
+    def __init__(self, maxsize: int, processes: ProcessGroup) -> None:
+        super().__init__(maxsize=maxsize)
+        self.processes = processes
+
+    def popitem(self) -> tuple[str, float]:
+        run_id, used = super().popitem()
+        log.info("stopping the trainer of run %s (least recently used)", run_id)
+        self.processes.kill(f"trainer-{run_id}")  # its state is in the store as of its last round
+        return run_id, used
+
+
 @dataclass
 class NodeService:
     """The service state: one trainer per prepared run (see the module docstring)."""
@@ -71,7 +88,11 @@ class NodeService:
     datacenter: str
     max_runs: int = 2
     processes: ProcessGroup = field(default_factory=ProcessGroup)
-    last_used: dict[str, float] = field(default_factory=dict)
+    #: run id → when it was last used (``time.monotonic()``), least recently used first
+    last_used: _Trainers = field(init=False)
+
+    def __post_init__(self) -> None:
+        self.last_used = _Trainers(self.max_runs, self.processes)
 
     def run_dir(self, run_id: str) -> RunDir:
         if not run_id or set(run_id) - _RUN_ID_CHARS or run_id.startswith("."):
@@ -116,11 +137,20 @@ class NodeService:
             self.processes.kill(name)
             managed = None
         if managed is None:
-            self._make_room()
-            managed = self.processes.start(
-                name, [sys.executable, "-m", "crossdc.clients.trainer", "--run-dir", str(run_dir.path), "--datacenter", self.datacenter],
-                run_dir.logs / f"trainer-{self.datacenter}.log")
-        answer = self._await(run_dir, managed)
+            starting = run_id not in self.last_used
+            self.last_used[run_id] = time.monotonic()  # before the start: evicts (stops) the least recently used
+            try:
+                managed = self.processes.start(
+                    name, [sys.executable, "-m", "crossdc.clients.trainer", "--run-dir", str(run_dir.path),
+                           "--datacenter", self.datacenter],
+                    run_dir.logs / f"trainer-{self.datacenter}.log")
+                answer = self._await(run_dir, managed)
+            except Exception:
+                if starting:  # a run that never came up holds no place
+                    self.last_used.pop(run_id, None)
+                raise
+        else:
+            answer = self._await(run_dir, managed)
         self.last_used[run_id] = time.monotonic()
         return {"ok": True, "socket": str(run_dir.trainer_socket(self.datacenter)), "worker_pids": answer["worker_pids"]}
 
@@ -134,13 +164,6 @@ class NodeService:
             except TrainerUnavailable:
                 if time.monotonic() > deadline:
                     raise NodeError(f"the trainer did not start within {TRAINER_START_TIMEOUT_S:.0f}s") from None
-
-    def _make_room(self) -> None:
-        while len([r for r in self.last_used if self.processes.find(f"trainer-{r}")]) >= self.max_runs:
-            oldest = min(self.last_used, key=self.last_used.__getitem__)
-            log.info("stopping the trainer of run %s (least recently used)", oldest)
-            self.processes.kill(f"trainer-{oldest}")  # its state is in the store as of its last round
-            del self.last_used[oldest]
 
     def close(self) -> None:
         self.processes.stop_all()

@@ -12,7 +12,7 @@ import sys
 import time
 from pathlib import Path
 
-from crossdc.protocol import NODE_AUTHKEY_FILE, NODE_SERVICE
+from crossdc.protocol import DATACENTER, NODE_AUTHKEY_FILE, NODE_SERVICE
 from crossdc.clients.node import node_authkey, node_socket
 from crossdc.experiment.processes import ProcessGroup, flower_env, free_port, venv_bin
 
@@ -33,7 +33,7 @@ REFUSED_MARKERS = ("Failed to activate SuperNode", "Exit Code: 305")
 def supernode_command(superlink: str, datacenter: str, state_dir: Path, root_certificates: Path | None, insecure: bool,
                       auth_key: Path | None = None) -> list[str]:
     """The SuperNode's command line (TLS unless `insecure`; signed with the enrolled key `auth_key` if given)."""
-    node_config = (f'datacenter="{datacenter}" {NODE_SERVICE}="{node_socket(state_dir)}" '
+    node_config = (f'{DATACENTER}="{datacenter}" {NODE_SERVICE}="{node_socket(state_dir)}" '
                    f'{NODE_AUTHKEY_FILE}="{state_dir / "authkey"}"')
     security = ["--insecure"] if insecure else ["--root-certificates", str(root_certificates)]
     auth = ["--auth-supernode-private-key", str(auth_key)] if auth_key is not None else []

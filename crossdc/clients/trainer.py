@@ -102,7 +102,7 @@ class DatacenterTrainer:
             return
         if graceful:
             try:
-                dist.broadcast_object_list([{"op": "stop"}], src=0)
+                dist.broadcast_object_list([{"op": proto.STOP_OP}], src=0)
             except Exception:
                 graceful = False
         for worker in self.workers:
@@ -147,10 +147,10 @@ class DatacenterTrainer:
 
     def handle(self, request: dict[str, Any]) -> dict[str, Any]:
         op = request.get("op")
-        if op == "ping":
+        if op == proto.PING_OP:
             return {"ok": True, "pid": os.getpid(), "worker_pids": self.worker_pids(), "datacenter": self.datacenter,
                     "run_id": self.run_id, "last_round": self.last_round, "group_start_s": self.group_start_s}
-        if op == "train":
+        if op == proto.TRAIN_OP:
             return self._train(request)
         return {"ok": False, "error": f"unknown trainer op {op!r}"}
 

@@ -16,6 +16,7 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
+from crossdc import protocol as proto
 from crossdc.clients.local_round import TRAINER_STATE_KEY, train_with_plan
 from crossdc.clients.devices import local_placement
 from crossdc.clients.local_training import LocalTrainer
@@ -70,9 +71,9 @@ def follow(trainer: LocalTrainer, strategy: Strategy) -> None:
         box: list[object] = [None]
         dist.broadcast_object_list(box, src=0)
         command = box[0]
-        if not isinstance(command, dict) or command.get("op") == "stop":
+        if not isinstance(command, dict) or command.get("op") == proto.STOP_OP:
             return
-        if command.get("op") == "train":
+        if command.get("op") == proto.TRAIN_OP:
             train_with_plan(strategy, trainer, int(command["tau"]), command["weights"], command.get("plan") or {})
 
 

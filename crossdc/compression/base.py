@@ -8,7 +8,7 @@ A codec is one stage of the pipeline that turns a datacenter's update into what 
   integer codes with float32 scales.
 
 A pipeline holds at most one of each, structure first (``["topk:0.01", "int8"]``: sparsify, then
-quantise the surviving values). Spelling (DESIGN.md): ``"name[:arg][:key=value]..."``; the bare
+quantise the surviving values). Spelling (as in the experiment config): ``"name[:arg][:key=value]..."``; the bare
 ``arg`` sets the codec's positional parameter (top-k's ``fraction``, PowerSGD's ``rank``, QSGD's
 ``levels``). Codecs are found through the entry-point group ``crossdc.codecs`` (built-ins register
 the same way) and, for code in the same process, the :func:`register_codec` decorator.
@@ -17,6 +17,7 @@ the same way) and, for code in the same process, the :func:`register_codec` deco
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
+from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any, ClassVar
 
@@ -31,6 +32,8 @@ STRUCTURE, VALUES = "structure", "values"
 
 #: per-tensor state a codec keeps between rounds (saved in the datacenter's state store)
 TensorState = dict[str, torch.Tensor]
+#: bytes of one value sent as plain float32
+FLOAT32_BYTES = 4.0
 
 
 class CodecConfigError(ValueError):
@@ -60,9 +63,25 @@ class Codec(ABC):
 
 
 class StructureCodec(Codec):
-    """Decides which numbers of a tensor are sent."""
+    """Decides which numbers of a tensor are sent.
+
+    The pipeline calls, per round: :meth:`prepare` for each tensor, :meth:`begin_round` once with all of them,
+    then :meth:`compress` and :meth:`after_send` for each; :meth:`use_generator` once, when it is built.
+    """
 
     stage = STRUCTURE
+    #: where the codec draws its randomness from (set by :meth:`use_generator`; None: torch's global generator)
+    generator: torch.Generator | None = None
+
+    def use_generator(self, generator: torch.Generator) -> None:
+        """Draw every random number from `generator`: the pipeline's own, seeded and saved with its state, so a
+        restarted datacenter draws the same ones. Called once by the pipeline that holds the codec; default: keep it
+        as :attr:`generator`."""
+        self.generator = generator
+
+    def begin_round(self, accumulated: Mapping[str, torch.Tensor], server_round: int) -> None:
+        """Called once per round with every tensor about to be compressed (after :meth:`prepare` and error feedback),
+        before the first :meth:`compress`; default: nothing (top-k's ``scope=global`` picks its one threshold here)."""
 
     @abstractmethod
     def compress(self, name: str, tensor: torch.Tensor, state: TensorState, server_round: int) -> EncodedTensor:
@@ -80,6 +99,8 @@ class ValuesCodec(Codec):
     """Decides how each sent float is written."""
 
     stage = VALUES
+    #: bytes one sent value costs on the wire (scales aside): the pipeline weighs sparse against dense with it
+    value_bytes: ClassVar[float] = FLOAT32_BYTES
 
     @abstractmethod
     def quantize(self, values: torch.Tensor, generator: torch.Generator | None) -> Values:

@@ -25,12 +25,10 @@ from typing import Any
 import numpy as np
 import torch
 
-from crossdc.compression.base import Codec, CodecConfigError, StructureCodec, TensorState, ValuesCodec, build_codec
+from crossdc.compression.base import (FLOAT32_BYTES, Codec, CodecConfigError, StructureCodec, TensorState, ValuesCodec,
+                                      available_codecs, build_codec)
 from crossdc.compression.index_coding import IndexCodingError, bitmap_size, decode_positions, encode_positions, varint_size
 from crossdc.compression.wire import DENSE, LOWRANK, SPARSE, CodecError, EncodedTensor, parse, plain, reconstruct, serialize
-
-#: bytes one value costs on the wire, by values codec (None: float32)
-_VALUE_BYTES = {None: 4.0, "int8": 1.0, "qsgd": 1.0}
 
 
 @dataclass
@@ -93,6 +91,11 @@ def _subtract_sent(accumulated: torch.Tensor, encoded: EncodedTensor, parts: lis
     return accumulated
 
 
+def _stage_names(stage: str) -> str:
+    """The registered codecs of one stage, for an error message."""
+    return ", ".join(sorted(name for name, cls in available_codecs().items() if cls.stage == stage))
+
+
 def build_pipeline_codecs(specs: Sequence[str]) -> tuple[StructureCodec | None, ValuesCodec | None]:
     """The codecs a config's list spells, checked: at most one structure codec, first, and one values codec."""
     if isinstance(specs, str) or not isinstance(specs, Sequence):
@@ -104,14 +107,15 @@ def build_pipeline_codecs(specs: Sequence[str]) -> tuple[StructureCodec | None, 
         if isinstance(codec, StructureCodec):
             if structure is not None:
                 raise CodecConfigError(f"codecs {list(specs)}: '{codec.name}' after '{structure.name}': "
-                                       "at most one structure codec (topk, powersgd) per pipeline")
+                                       f"at most one structure codec ({_stage_names(codec.stage)}) per pipeline")
             if values is not None:
                 raise CodecConfigError(f"codecs {list(specs)}: '{codec.name}' must come before '{values.name}' "
                                        "(choose what is sent, then how it is written)")
             structure = codec
         elif isinstance(codec, ValuesCodec):
             if values is not None:
-                raise CodecConfigError(f"codecs {list(specs)}: at most one values codec (int8, qsgd) per pipeline")
+                raise CodecConfigError(f"codecs {list(specs)}: at most one values codec ({_stage_names(codec.stage)}) "
+                                       "per pipeline")
             values = codec
         else:
             raise CodecConfigError(f"codec '{codec.name}' is neither a structure nor a values codec")
@@ -131,7 +135,7 @@ class CodecPipeline:
             bool(c.params.get("ef", c.error_feedback)) for c in (self.structure, self.values) if c)
         self.generator = torch.Generator().manual_seed(seed)
         if self.structure is not None:
-            setattr(self.structure, "generator", self.generator)
+            self.structure.use_generator(self.generator)
         self.residuals: dict[str, torch.Tensor] = {}
         self.codec_state: dict[str, TensorState] = {}
 
@@ -140,7 +144,7 @@ class CodecPipeline:
         return self.structure is None and self.values is None
 
     def _value_bytes(self) -> float:
-        return _VALUE_BYTES.get(self.values.name if self.values else None, 4.0)
+        return self.values.value_bytes if self.values is not None else FLOAT32_BYTES
 
     def _cheaper(self, encoded: EncodedTensor, accumulated: torch.Tensor) -> EncodedTensor:
         """Dense instead of sparse when sending every value costs no more than positions + kept values."""
@@ -169,7 +173,7 @@ class CodecPipeline:
             if not _is_finite(tensor, energy):
                 raise CodecError(f"tensor '{name}' of the update contains NaN or Inf")
             due += energy
-        if self.structure is not None and hasattr(self.structure, "begin_round"):
+        if self.structure is not None:
             self.structure.begin_round(accumulated, server_round)
         encoded_tensors: list[EncodedTensor] = []
         index_bytes: dict[str, tuple[str, torch.Tensor]] = {}

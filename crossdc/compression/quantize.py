@@ -53,6 +53,7 @@ class Int8(ValuesCodec):
     """int8 quantisation with a max-abs scale per tensor or per block (deterministic)."""
 
     name = "int8"
+    value_bytes = 1.0
     parameters = {
         "block": Parameter(int, 0, "values per scale (0 = one scale per tensor)", low=0),
         "ef": Parameter(bool, False, "keep the rounding error in a residual added to the next update"),
@@ -67,6 +68,7 @@ class QSGD(ValuesCodec):
 
     name = "qsgd"
     positional = "levels"
+    value_bytes = 1.0  # int8 codes; int16 above 127 levels (still counted as 1 byte when choosing sparse or dense)
     parameters = {
         "levels": Parameter(int, 16, "quantisation levels s", low=1, high=32767),
         "block": Parameter(int, 512, "values per norm (0 = one norm per tensor)", low=0),

@@ -27,6 +27,7 @@ many; ``auto`` samples for tensors above 2²⁰ elements.
 from __future__ import annotations
 
 import math
+from collections.abc import Mapping
 
 import torch
 
@@ -91,10 +92,8 @@ class TopK(StructureCodec):
         "threshold": Parameter(str, "auto", "how the k-th magnitude is found", choices=("auto", "exact", "sampled")),
     }
 
-    def __init__(self, **params: object) -> None:
-        super().__init__(**params)
-        self.generator: torch.Generator | None = None
-        self._global_cut: torch.Tensor | None = None
+    #: with ``scope=global``: this round's magnitude threshold over all tensors (set by begin_round)
+    _global_cut: torch.Tensor | None = None
 
     def fraction(self, server_round: int) -> float:
         """The kept fraction in this round (after warm-up)."""
@@ -114,7 +113,7 @@ class TopK(StructureCodec):
             return velocity
         return update
 
-    def begin_round(self, accumulated: dict[str, torch.Tensor], server_round: int) -> None:
+    def begin_round(self, accumulated: Mapping[str, torch.Tensor], server_round: int) -> None:
         """With ``scope=global``: one magnitude threshold over all tensors of the round."""
         self._global_cut = None
         if self.params["scope"] == "global" and accumulated:

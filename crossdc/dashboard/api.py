@@ -2,7 +2,7 @@
 
 Promises, for every route:
 
-* read-only, on SQLite and PostgreSQL; the field names are the run log's column names (DESIGN.md "SQL schema");
+* read-only, on SQLite and PostgreSQL; the field names are the run log's column names (crossdc.db.models);
 * an unknown run id answers 404 with ``{"detail": "run 'ID' not found"}``; a bad query parameter 422 (FastAPI's
   validation body); a database that does not answer 503 with ``{"detail": "..."}``; never a 500;
 * numbers that JSON cannot carry (NaN, ±Inf in a diverged run) are ``null``; times are ISO 8601 UTC;
@@ -472,7 +472,7 @@ def metrics(request: Request) -> Response:
             snapshot: queries.MetricsSnapshot | None = queries.metrics_snapshot(conn, now=queries.utcnow())
     except exc.SQLAlchemyError:
         snapshot = None
-    return Response(prometheus.render(prometheus.crossdc_families(snapshot)), media_type=prometheus.CONTENT_TYPE)
+    return Response(prometheus.exposition(snapshot), media_type=prometheus.CONTENT_TYPE)
 
 
 # ------------------------------------------------------------------ errors

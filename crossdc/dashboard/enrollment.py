@@ -16,7 +16,7 @@ Promises, for every route here:
 
 from __future__ import annotations
 
-from datetime import datetime, timezone
+from datetime import datetime
 from typing import Annotated, Any
 
 from fastapi import APIRouter, HTTPException, Path, Query, Request
@@ -131,7 +131,7 @@ def enroll_datacenter(request: Request, body: EnrollmentRequest, who: Enroller) 
     except ControlError as err:
         raise _refuse(request, action, who, body.name, 502, str(err)) from None
     facts = {"region": body.region, "gpus": body.gpus, "public_key": public_key, "status": "active",
-             "enrolled_at": datetime.now(timezone.utc), "node_id": str(node_id),
+             "enrolled_at": queries.utcnow(), "node_id": str(node_id),
              "link_bandwidth_mbps": body.link_bandwidth_mbps, "link_rtt_ms": body.link_rtt_ms}
     try:
         with request.app.state.engine.begin() as conn:

@@ -21,7 +21,7 @@ Promises shared by all figures:
   series are stride-downsampled, always keeping the first and the last point;
 * traces have stable names (tests and notebooks find them by name), and an empty
   figure says why in an annotation ("no async updates", ...);
-* vocabulary follows DESIGN.md: the comm/comp ratio is ``comm_s / compute_s`` with an
+* vocabulary follows docs/glossary.md: the comm/comp ratio is ``comm_s / compute_s`` with an
   alert above :data:`COMM_COMP_ALERT`; ``overhead_s`` is shown on its own; a ``comm_s``
   that was never measured (simulation) is shown as "not measured", not as 0.
 """
@@ -37,11 +37,13 @@ import numpy as np
 import plotly.graph_objects as go
 import plotly.io as pio
 
+from crossdc.db.values import finite_float
+
 Row = Mapping[str, Any]
 
 #: Most points one trace may hold; longer series are stride-downsampled (last point kept).
 MAX_POINTS = 2000
-#: The comm/comp ratio (comm_s / compute_s) above which a datacenter is flagged (DESIGN.md).
+#: The comm/comp ratio (comm_s / compute_s) above which a datacenter is flagged (docs/glossary.md).
 COMM_COMP_ALERT = 0.1
 
 #: Stable ids of the figures' divs on the dashboard pages.
@@ -101,15 +103,8 @@ _EVENT_STYLES: list[tuple[tuple[str, ...], str, str]] = [
 # ----------------------------------------------------------------- helpers
 
 
-def finite(value: Any) -> float | None:
-    """``value`` as a float, or ``None`` when it is missing, not a number, NaN or ±Inf."""
-    if value is None or isinstance(value, bool):
-        return None
-    try:
-        out = float(value)
-    except (TypeError, ValueError):
-        return None
-    return out if math.isfinite(out) else None
+#: ``value`` as a float, or ``None`` when it is missing, not a number, NaN or ±Inf (the run log's one rule).
+finite = finite_float
 
 
 def floats(values: Iterable[Any]) -> np.ndarray:

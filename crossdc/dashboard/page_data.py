@@ -20,12 +20,12 @@ from __future__ import annotations
 
 import math
 import threading
-from collections import OrderedDict
 from collections.abc import Hashable, Mapping, Sequence
 from dataclasses import dataclass, field
 from datetime import datetime
 from typing import Any
 
+from cachetools import LRUCache
 from sqlalchemy import Connection, and_, case, func, or_, select
 
 from crossdc.dashboard.figures import MAX_POINTS, comm_comp, finite, summarize_datacenters
@@ -194,8 +194,7 @@ class AggregateCache:
     """
 
     def __init__(self, size: int = 32) -> None:
-        self._size = size
-        self._entries: OrderedDict[Hashable, tuple[Hashable, int, list[dict[str, Any]]]] = OrderedDict()
+        self._entries: LRUCache[Hashable, tuple[Hashable, int, list[dict[str, Any]]]] = LRUCache(maxsize=size)
         self._lock = threading.Lock()
 
     def aggregates(
@@ -214,9 +213,6 @@ class AggregateCache:
             base = entry[2]
         with self._lock:
             self._entries[key] = (generation, closed, base)
-            self._entries.move_to_end(key)
-            while len(self._entries) > self._size:
-                self._entries.popitem(last=False)
         return merge_aggregates(base, _datacenter_aggregates(conn, run_id, after_round=closed))
 
 

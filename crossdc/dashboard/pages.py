@@ -23,9 +23,7 @@ marker, so reloads, several viewers and polls of an unchanged run cost one cheap
 from __future__ import annotations
 
 import json
-import math
 import threading
-from collections import OrderedDict
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from datetime import datetime
@@ -34,6 +32,7 @@ from typing import Any
 
 import plotly
 import plotly.graph_objects as go
+from cachetools import LRUCache
 from fastapi import APIRouter, Query, Request
 from fastapi.responses import FileResponse, HTMLResponse, Response
 from fastapi.templating import Jinja2Templates
@@ -228,23 +227,16 @@ class _RunPageCache:
     a poll that finds nothing new reuses them instead of re-reading a long run. Thread-safe."""
 
     def __init__(self, size: int = 8) -> None:
-        self._size = size
-        self._items: OrderedDict[tuple[int, str, str], tuple[RunPageData, str]] = OrderedDict()
+        self._items: LRUCache[tuple[int, str, str], tuple[RunPageData, str]] = LRUCache(maxsize=size)
         self._lock = threading.Lock()
 
     def get(self, key: tuple[int, str, str]) -> tuple[RunPageData, str] | None:
         with self._lock:
-            found = self._items.get(key)
-            if found is not None:
-                self._items.move_to_end(key)
-            return found
+            return self._items.get(key)
 
     def put(self, key: tuple[int, str, str], value: tuple[RunPageData, str]) -> None:
         with self._lock:
             self._items[key] = value
-            self._items.move_to_end(key)
-            while len(self._items) > self._size:
-                self._items.popitem(last=False)
 
 
 _run_cache = _RunPageCache()
@@ -345,10 +337,11 @@ def parse_run_ids(values: list[str] | None) -> list[str]:
 
 
 def _gap(value: float | None, reference: float | None) -> float | None:
-    """The relative gap (value − reference) / reference (DESIGN.md "gap to a baseline")."""
-    if value is None or reference is None or reference == 0 or not math.isfinite(reference):
+    """The relative gap (value − reference) / reference (docs/glossary.md, "gap to a baseline")."""
+    ref = figures.finite(reference)
+    if value is None or not ref:  # no reference, or 0
         return None
-    return (value - reference) / reference
+    return (value - ref) / ref
 
 
 @router.get("/compare", response_class=HTMLResponse)

@@ -3,7 +3,7 @@
 Promises:
 
 * Read-only: nothing here writes, on SQLite or PostgreSQL.
-* Rows come back as plain dicts keyed by the column names of DESIGN.md "SQL schema" (the API's field names),
+* Rows come back as plain dicts keyed by the column names of crossdc.db.models (the API's field names),
   timestamps as timezone-aware UTC datetimes, and every non-finite float (NaN, ±Inf: a diverged run) as ``None``,
   because JSON cannot carry them.
 * Order follows the logical clock (round, datacenter name, sequence number, logging order), never wall-clock time.
@@ -19,18 +19,18 @@ character, text that is not valid Unicode, ids longer than the column) simply ma
 
 from __future__ import annotations
 
-import math
 import time
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
-from datetime import datetime, timezone
-from typing import Any, NamedTuple
+from datetime import datetime
+from typing import Any
 
 from sqlalchemy import ColumnElement, Connection, DateTime, Float, Table, and_, false, func, inspect, or_, select, text, true
 
 from crossdc.db.models import ASYNC_UPDATES, DATACENTER_ROUNDS, DATACENTERS, EVENTS, ROUNDS, RUNS
 from crossdc.db.queries import as_utc, utcnow
 from crossdc.db.status import STALE_AFTER_MIN_S, STALE_AFTER_SLOWEST_ROUNDS, EffectiveStatus, effective_status, stale_after_s
+from crossdc.db.values import finite_or_none
 
 #: The most rows (rounds, for a run's per-datacenter rounds) one page may hold.
 MAX_PAGE_SIZE = 5000
@@ -65,13 +65,6 @@ _RUN_SUMMARY_COLUMNS = (
 # ------------------------------------------------------------------ values
 
 
-def finite_or_none(value: Any) -> Any:
-    """``None`` for NaN and ±Inf floats (JSON has no such numbers); anything else unchanged."""
-    if isinstance(value, float) and not math.isfinite(value):
-        return None
-    return value
-
-
 def _clean(row: Mapping[str, Any], fields: Iterable[str]) -> dict[str, Any]:
     return {f: finite_or_none(as_utc(row[f])) for f in fields}
 
@@ -88,9 +81,7 @@ def _rows(conn: Connection, table: Table, fields: tuple[str, ...], stmt: Any) ->
     for values in conn.execute(stmt):
         row = dict(zip(fields, values))
         for f in floats:
-            v = row[f]
-            if v is not None and not math.isfinite(v):
-                row[f] = None
+            row[f] = finite_or_none(row[f])
         for f in times:
             row[f] = as_utc(row[f])
         out.append(row)
@@ -407,7 +398,7 @@ class DatacenterWindow:
 
     @property
     def comm_comp_ratio(self) -> float | None:
-        """``comm_s / compute_s`` over the window (DESIGN.md: alert above 0.1); ``None`` without compute time."""
+        """``comm_s / compute_s`` over the window (flagged above 0.1, docs/glossary.md); ``None`` without compute time."""
         return self.comm_s / self.compute_s if self.compute_s > 0 else None
 
 

@@ -1,6 +1,6 @@
 """SQL storage of crossdc: models (the schema), engines and migrations, the run log, read helpers.
 
-See DESIGN.md "SQL schema". The Alembic history lives in ``migrations/`` at the repo top.
+The schema is crossdc.db.models (its columns are the API's field names). The Alembic history lives in ``migrations/`` at the repo top.
 """
 
 from crossdc.db.engine import (

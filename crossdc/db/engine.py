@@ -1,6 +1,6 @@
 """Database URL resolution, engines and Alembic migrations.
 
-URL order (DESIGN.md "Interfaces"): ``--db``, else ``CROSSDC_DATABASE_URL``,
+URL order (the same for every command): ``--db``, else ``CROSSDC_DATABASE_URL``,
 else ``sqlite:///crossdc.db`` (relative to the working directory).
 """
 

@@ -1,4 +1,4 @@
-"""SQLAlchemy models: the SQL schema of DESIGN.md ("SQL schema").
+"""SQLAlchemy models: the SQL schema of the run log (one Alembic history, one head).
 
 Column names are the API's field names. Conventions:
 
@@ -45,7 +45,7 @@ from sqlalchemy import (
 )
 from sqlalchemy.orm import DeclarativeBase, Mapped, mapped_column
 
-# Allowed values of the status-like columns (DESIGN.md "SQL schema").
+# Allowed values of the status-like columns.
 RUN_STATUSES: tuple[str, ...] = ("running", "finished", "failed", "interrupted")
 BASELINES: tuple[str, ...] = ("none", "all-workers", "sequential")
 DATACENTER_ROUND_STATUSES: tuple[str, ...] = ("ok", "failed", "timeout", "rejected")
@@ -125,6 +125,9 @@ class Round(Base):
 
 
 class DatacenterRound(Base):
+    """One datacenter's part of one round; its non-key columns are the fields of
+    crossdc.db.records.DatacenterRoundRecord, checked by their ``info`` (``minimum``, ``choices``)."""
+
     __tablename__ = "datacenter_rounds"
     __table_args__ = (
         UniqueConstraint("run_id", "round", "datacenter"),
@@ -137,11 +140,11 @@ class DatacenterRound(Base):
     # In an async run: the global version at which the update was applied.
     round: Mapped[int] = mapped_column(Integer)
     datacenter: Mapped[str] = mapped_column(String(128))
-    status: Mapped[str] = mapped_column(String(16))
+    status: Mapped[str] = mapped_column(String(16), info={"choices": DATACENTER_ROUND_STATUSES})
     reason: Mapped[str | None] = mapped_column(Text)
-    bytes_up: Mapped[int] = mapped_column(BigInteger, default=0)
-    bytes_down: Mapped[int] = mapped_column(BigInteger, default=0)
-    bytes_up_raw: Mapped[int] = mapped_column(BigInteger, default=0)
+    bytes_up: Mapped[int] = mapped_column(BigInteger, default=0, info={"minimum": 0})
+    bytes_down: Mapped[int] = mapped_column(BigInteger, default=0, info={"minimum": 0})
+    bytes_up_raw: Mapped[int] = mapped_column(BigInteger, default=0, info={"minimum": 0})
     compute_s: Mapped[float | None] = mapped_column(Float)
     comm_s: Mapped[float | None] = mapped_column(Float)
     overhead_s: Mapped[float | None] = mapped_column(Float)
@@ -149,10 +152,10 @@ class DatacenterRound(Base):
     # How comm_s was obtained, e.g. "relay" (measured at the datacenter's link relay).
     comm_source: Mapped[str | None] = mapped_column(Text)
     # Bytes that crossed the datacenter's link during the round, framing and polls included (revision 0002).
-    link_bytes_up: Mapped[int | None] = mapped_column(BigInteger)
-    link_bytes_down: Mapped[int | None] = mapped_column(BigInteger)
+    link_bytes_up: Mapped[int | None] = mapped_column(BigInteger, info={"minimum": 0})
+    link_bytes_down: Mapped[int | None] = mapped_column(BigInteger, info={"minimum": 0})
     train_loss: Mapped[float | None] = mapped_column(Float)
-    num_examples: Mapped[int | None] = mapped_column(BigInteger)
+    num_examples: Mapped[int | None] = mapped_column(BigInteger, info={"minimum": 0})
     drift_l2: Mapped[float | None] = mapped_column(Float)
     update_cosine: Mapped[float | None] = mapped_column(Float)
     staleness: Mapped[int | None] = mapped_column(Integer)

@@ -36,12 +36,11 @@ from __future__ import annotations
 
 import json
 import logging
-import math
 import threading
 import time
 from collections import deque
 from collections.abc import Callable, Mapping
-from datetime import datetime, timezone
+from datetime import datetime
 from typing import Any
 
 from sqlalchemy import Connection, Table, and_, delete, exc, insert, select, update
@@ -49,11 +48,12 @@ from sqlalchemy.dialects import postgresql, sqlite
 
 from crossdc.db.engine import make_engine, safe_url
 from crossdc.db.errors import DatabaseUnavailable
+from crossdc.db.values import json_safe, non_finite_text
+from crossdc.db.records import DatacenterRoundRecord
 from crossdc.db.queries import utcnow
 from crossdc.db.models import (
     ASYNC_UPDATE_STATUSES,
     BASELINES,
-    DATACENTER_ROUND_STATUSES,
     RUN_STATUSES,
 )
 
@@ -136,17 +136,6 @@ def _json_default(obj: Any) -> Any:
     return str(obj)
 
 
-def _finite(obj: Any) -> Any:
-    """Replace NaN/±Inf (not valid JSON; PostgreSQL rejects them) by strings."""
-    if isinstance(obj, float) and not math.isfinite(obj):
-        return "NaN" if math.isnan(obj) else ("Infinity" if obj > 0 else "-Infinity")
-    if isinstance(obj, dict):
-        return {k: _finite(v) for k, v in obj.items()}
-    if isinstance(obj, list):
-        return [_finite(v) for v in obj]
-    return obj
-
-
 def _json(name: str, value: Any) -> Any:
     """A JSON-safe deep copy of ``value`` (the caller may mutate the original afterwards)."""
     if value is None:
@@ -155,7 +144,7 @@ def _json(name: str, value: Any) -> Any:
         text = json.dumps(value, default=_json_default)
     except (TypeError, ValueError) as e:
         raise TypeError(f"{name} is not JSON-serialisable: {e}") from e
-    return _finite(json.loads(text))
+    return json_safe(json.loads(text), non_finite_text)  # NaN/±Inf: not JSON, PostgreSQL rejects them
 
 
 # -------------------------------------------------------------------- upserts
@@ -452,31 +441,15 @@ class RunLog:
             },
         )
 
-    def log_datacenter_round(
-        self,
-        *,
-        run_id: str,
-        round: int,  # noqa: A002
-        datacenter: str,
-        status: str,
-        reason: str | None = None,
-        bytes_up: int = 0,
-        bytes_down: int = 0,
-        bytes_up_raw: int = 0,
-        compute_s: float | None = None,
-        comm_s: float | None = None,
-        overhead_s: float | None = None,
-        round_s: float | None = None,
-        comm_source: str | None = None,
-        link_bytes_up: int | None = None,
-        link_bytes_down: int | None = None,
-        train_loss: float | None = None,
-        num_examples: int | None = None,
-        drift_l2: float | None = None,
-        update_cosine: float | None = None,
-        staleness: int | None = None,
-    ) -> None:
-        """Record (or overwrite) one datacenter's part of a round (async: ``round`` = applied version)."""
+    def log_datacenter_round(self, *, run_id: str, round: int, datacenter: str,  # noqa: A002
+                             record: DatacenterRoundRecord | None = None, **columns: Any) -> None:
+        """Record (or overwrite) one datacenter's part of a round (async: ``round`` = applied version): a
+        :class:`~crossdc.db.records.DatacenterRoundRecord`, or its columns as keywords (an unknown name is a
+        TypeError naming it). Every value is checked against its column before anything is queued."""
+        if record is None:
+            record = DatacenterRoundRecord(**columns)
+        elif columns:
+            raise TypeError("give a DatacenterRoundRecord or its columns, not both")
         self._put(
             "datacenter_round",
             _op_datacenter_round,
@@ -484,23 +457,7 @@ class RunLog:
                 "run_id": _text("run_id", run_id),
                 "round": _int("round", round, nullable=False, minimum=0),
                 "datacenter": _text("datacenter", datacenter),
-                "status": _choice("status", status, DATACENTER_ROUND_STATUSES),
-                "reason": _text("reason", reason, nullable=True),
-                "bytes_up": _int("bytes_up", bytes_up, nullable=False, minimum=0),
-                "bytes_down": _int("bytes_down", bytes_down, nullable=False, minimum=0),
-                "bytes_up_raw": _int("bytes_up_raw", bytes_up_raw, nullable=False, minimum=0),
-                "compute_s": _float("compute_s", compute_s),
-                "comm_s": _float("comm_s", comm_s),
-                "overhead_s": _float("overhead_s", overhead_s),
-                "round_s": _float("round_s", round_s),
-                "comm_source": _text("comm_source", comm_source, nullable=True),
-                "link_bytes_up": _int("link_bytes_up", link_bytes_up, minimum=0),
-                "link_bytes_down": _int("link_bytes_down", link_bytes_down, minimum=0),
-                "train_loss": _float("train_loss", train_loss),
-                "num_examples": _int("num_examples", num_examples, minimum=0),
-                "drift_l2": _float("drift_l2", drift_l2),
-                "update_cosine": _float("update_cosine", update_cosine),
-                "staleness": _int("staleness", staleness),
+                **record.validated(),
             },
         )
 

@@ -19,13 +19,12 @@ import hmac
 import re
 import secrets
 from dataclasses import dataclass
-from datetime import datetime, timezone
 from typing import Any
 
 from sqlalchemy import Connection, Engine, insert, select, update
 
 from crossdc.db.models import API_TOKENS, AUDIT_LOG, TOKEN_ROLES
-from crossdc.db.queries import as_utc
+from crossdc.db.queries import as_utc, utcnow
 
 #: tokens start with this, so a leaked one is easy to recognise (and to scan for)
 TOKEN_PREFIX = "cdx_"
@@ -66,10 +65,6 @@ def check_name(name: str, what: str = "name") -> str:
     return name
 
 
-def _now() -> datetime:
-    return datetime.now(timezone.utc)
-
-
 def create_token(engine: Engine, name: str, role: str) -> str:
     """Store a new token of `role` under the unique `name`; returns the token (the only time it is seen)."""
     check_name(name, "token name")
@@ -79,7 +74,7 @@ def create_token(engine: Engine, name: str, role: str) -> str:
     with engine.begin() as conn:
         if conn.execute(select(API_TOKENS.c.id).where(API_TOKENS.c.name == name)).first() is not None:
             raise TokenError(f"a token named {name!r} exists already; revoke it or choose another name")
-        conn.execute(insert(API_TOKENS).values(name=name, role=role, token_hash=hash_token(token), created_at=_now()))
+        conn.execute(insert(API_TOKENS).values(name=name, role=role, token_hash=hash_token(token), created_at=utcnow()))
         record_audit(conn, "token-created", "ok", actor=None, target=name, detail={"role": role})
     return token
 
@@ -88,7 +83,7 @@ def revoke_token(engine: Engine, name: str) -> None:
     """Revoke the token `name` from now on (TokenError if there is no such live token)."""
     with engine.begin() as conn:
         done = conn.execute(update(API_TOKENS).where(API_TOKENS.c.name == name, API_TOKENS.c.revoked_at.is_(None))
-                            .values(revoked_at=_now()))
+                            .values(revoked_at=utcnow()))
         if done.rowcount != 1:
             raise TokenError(f"no live token named {name!r}")
         record_audit(conn, "token-revoked", "ok", actor=None, target=name)
@@ -108,14 +103,14 @@ def verify_token(conn: Connection, token: str) -> TokenIdentity | None:
                        .where(API_TOKENS.c.token_hash == presented, API_TOKENS.c.revoked_at.is_(None))).first()
     if row is None or not hmac.compare_digest(row.token_hash, presented):
         return None
-    conn.execute(update(API_TOKENS).where(API_TOKENS.c.id == row.id).values(last_used_at=_now()))
+    conn.execute(update(API_TOKENS).where(API_TOKENS.c.id == row.id).values(last_used_at=utcnow()))
     return TokenIdentity(row.name, row.role)
 
 
 def record_audit(conn: Connection, action: str, outcome: str, *, actor: str | None, target: str | None = None,
                  client: str | None = None, detail: Any = None) -> None:
     """Append one row to the audit log (in the caller's transaction)."""
-    conn.execute(insert(AUDIT_LOG).values(at=_now(), action=action, outcome=outcome, actor=actor, target=target,
+    conn.execute(insert(AUDIT_LOG).values(at=utcnow(), action=action, outcome=outcome, actor=actor, target=target,
                                           client=client, detail=detail))
 
 

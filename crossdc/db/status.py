@@ -2,19 +2,17 @@
 
 from __future__ import annotations
 
-import math
 from collections.abc import Mapping
 from datetime import datetime
 from typing import Any, NamedTuple
 
 from crossdc.db.queries import as_utc
+from crossdc.db.values import finite_float
 
 #: A ``running`` run is ``interrupted`` once its heartbeat is older than max(this, ...) seconds.
 STALE_AFTER_MIN_S = 300.0
 #: ... and older than this many times its slowest round (the server heartbeats after every round).
 STALE_AFTER_SLOWEST_ROUNDS = 3.0
-
-
 
 
 class EffectiveStatus(NamedTuple):
@@ -26,7 +24,7 @@ class EffectiveStatus(NamedTuple):
 
 def stale_after_s(slowest_round_wall_s: float | None) -> float:
     """Seconds without a heartbeat after which a ``running`` run counts as dead: max(300 s, 3 × its slowest round)."""
-    slowest = slowest_round_wall_s if slowest_round_wall_s is not None and math.isfinite(slowest_round_wall_s) else 0.0
+    slowest = finite_float(slowest_round_wall_s) or 0.0
     return max(STALE_AFTER_MIN_S, STALE_AFTER_SLOWEST_ROUNDS * slowest)
 
 

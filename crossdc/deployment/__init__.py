@@ -1,0 +1,2 @@
+"""Production deployment (below ``clients`` and ``federation``): TLS certificates, the Fleet API front, the SuperLink
+Control API client, the background uvicorn helper."""

@@ -27,17 +27,17 @@ def run_info(config: ExperimentConfig) -> RunInfo:
 
 
 def build_strategy(config: ExperimentConfig) -> Strategy:
-    """The configured strategy, its parameters checked and bound to the run (StrategyError naming the strategy and
-    the parameter or key otherwise), its mean update the one ``[security] robust_aggregation`` asks for (only the
-    server half uses it). The server and every datacenter's trainer build it the same way."""
+    """The configured strategy, built in one step: its parameters checked, bound to the run, its mean update the one
+    ``[security] robust_aggregation`` asks for (StrategyError naming the strategy and the parameter or key
+    otherwise). The server and every datacenter's trainer build it the same way."""
     s = config.strategy
-    strategy = strategy_class(s.name)(s.tau.start, s.tau.end, s.tau.warmup_rounds, s.tau.kind, s.params)
-    strategy.bind(run_info(config))
-    strategy.use_robust_aggregation(config.security.robust_aggregation, config.security.trim_fraction)
-    if getattr(strategy, "asynchronous", False) and config.checkpoint.every_rounds:
+    strategy = strategy_class(s.name)(tau=s.tau, params=s.params, run=run_info(config),
+                                      robust_aggregation=config.security.robust_aggregation,
+                                      trim_fraction=config.security.trim_fraction)
+    if strategy.loop == "async" and config.checkpoint.every_rounds:
         raise StrategyError(f"'checkpoint.every_rounds' (checkpoints and resume) is not implemented yet for the "
                             f"asynchronous strategy '{s.name}'")
-    if getattr(strategy, "asynchronous", False) and config.security.norm_rejection_factor:
+    if strategy.loop == "async" and config.security.norm_rejection_factor:
         raise StrategyError(f"'security.norm_rejection_factor' (a check across a round's updates) is not implemented yet "
                             f"for the asynchronous strategy '{s.name}'")
     return strategy

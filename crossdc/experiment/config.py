@@ -21,6 +21,7 @@ from pathlib import Path
 from typing import Any
 
 from crossdc.experiment.links import LINK_PROFILES, LinkSpec
+from crossdc.strategies.schedule import TauSchedule
 from crossdc.strategies.robust import DEFAULT_TRIM_FRACTION, ROBUST_AGGREGATIONS
 
 
@@ -41,16 +42,6 @@ class DeadlinePolicy:
     window: int = 20
     min_history: int = 3
     slack: float = 0.5
-
-
-@dataclass(frozen=True)
-class TauSchedule:
-    """Local steps per round: from `start` to `end` over `warmup_rounds` (see strategies.schedule)."""
-
-    start: int = 1
-    end: int = 1
-    warmup_rounds: int = 0
-    kind: str = "linear"
 
 
 @dataclass(frozen=True)

@@ -23,11 +23,12 @@ import io
 import json
 import re
 from dataclasses import dataclass
-from datetime import datetime, timezone
 from typing import Any
 
 import fsspec
 import torch
+
+from crossdc.db.queries import utcnow
 
 _NAME = re.compile(r"round-(\d{6,})\.json$")
 
@@ -75,7 +76,7 @@ class CheckpointStore:
             with self.fs.open(data_path, "wb") as out:
                 out.write(data)
             info = CheckpointInfo(server_round, self._uri(data_path), len(data), hashlib.sha256(data).hexdigest(),
-                                  datetime.now(timezone.utc).isoformat())
+                                  utcnow().isoformat())
             with self.fs.open(self._path(server_round, "json"), "w") as out:
                 out.write(json.dumps(info.__dict__))
         except OSError as err:

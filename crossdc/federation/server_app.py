@@ -15,16 +15,14 @@ from crossdc.federation.sync_loop import run_federation
 from crossdc.experiment.rundir import RunDir
 from crossdc.protocol import RUN_DIR
 
-RUN_DIR_KEY = RUN_DIR
-
 app = ServerApp()
 
 
 @app.main()
 def main(grid: Grid, context: Context) -> None:
-    run_dir = str(context.run_config.get(RUN_DIR_KEY, ""))
+    run_dir = str(context.run_config.get(RUN_DIR, ""))
     if not run_dir:
-        raise RuntimeError(f"the run config has no '{RUN_DIR_KEY}': start runs with `crossdc run`")
+        raise RuntimeError(f"the run config has no '{RUN_DIR}': start runs with `crossdc run`")
     run_federation(grid, RunDir(Path(run_dir)))
 
 

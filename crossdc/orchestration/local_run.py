@@ -26,6 +26,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from crossdc import protocol
 from crossdc.clients.channel import TrainerUnavailable, call_trainer
 from sqlalchemy.exc import OperationalError
 
@@ -182,7 +183,7 @@ class LocalRun:
 
     def _start_supernode(self, name: str) -> None:
         relay = self.relays[name]
-        node_config = f'datacenter="{name}" trainer="{self.run_dir.trainer_socket(name)}"'
+        node_config = f'{protocol.DATACENTER}="{name}" {protocol.NODE_TRAINER}="{self.run_dir.trainer_socket(name)}"'
         self.processes.start(
             f"supernode-{name}",
             [venv_bin("flower-supernode"), "--insecure", "--superlink", f"{HOST}:{relay.port}", "--port", str(free_port()), "--node-config", node_config],
@@ -247,7 +248,7 @@ class LocalRun:
     def submit(self) -> int:
         """Submit the app to the SuperLink; returns Flower's run id."""
         overrides = self.run_dir.path / "flower-run-config.toml"
-        overrides.write_text(f'crossdc-run-dir = "{self.run_dir.path}"\n')
+        overrides.write_text(f'{protocol.RUN_DIR} = "{self.run_dir.path}"\n')
         completed = subprocess.run(
             [venv_bin("flwr"), "run", str(self.run_dir.app_dir), "crossdc", "--run-config", str(overrides), "--format", "json"],
             env=run_env(self.run_dir), capture_output=True, text=True, timeout=120,

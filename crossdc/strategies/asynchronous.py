@@ -19,7 +19,6 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Any, ClassVar
 
 import numpy as np
 
@@ -63,14 +62,13 @@ def scaled(delta: Arrays, scale: float) -> dict[str, np.ndarray]:
 
 
 class AsyncStrategy(Strategy):
-    """Base of asynchronous strategies (see the module docstring); not a strategy of its own."""
+    """Base of asynchronous strategies (see the module docstring), driven by the ``async`` loop; not a strategy of its own."""
 
-    #: the loop that drives the strategy: True sends it to crossdc.federation.async_loop
-    asynchronous: ClassVar[bool] = True
+    loop = "async"
     parameters = async_parameters(1.0, "base rate of the staleness function")
 
-    def __init__(self, *args: Any, **kwargs: Any) -> None:
-        super().__init__(*args, **kwargs)
+    def setup(self) -> None:
+        super().setup()
         self.submitted: list[Submitted] = []
 
     @property
@@ -120,10 +118,11 @@ class AsyncStrategy(Strategy):
         """The next version's weights from the current ones and the updates of one step (a subclass's maths)."""
         raise NotImplementedError
 
-    def aggregate(self, server_round: int, global_weights: Arrays, updates: Sequence[ClientUpdate]) -> dict[str, np.ndarray]:
+    def aggregate(self, server_round: int, global_weights: Arrays, updates: Sequence[ClientUpdate],
+                  mean: Arrays) -> dict[str, np.ndarray]:
         raise StrategyError(f"strategy '{self.name}' is asynchronous: the asynchronous loop drives it, not rounds")
 
-    def bind(self, run: RunInfo) -> None:
-        super().bind(run)
+    def check_run(self, run: RunInfo) -> None:
+        super().check_run(run)
         if self.buffer_size() < 1:
             raise StrategyError(f"strategy '{self.name}': the buffer size must be ≥ 1, got {self.buffer_size()}")

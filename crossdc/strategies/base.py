@@ -5,11 +5,11 @@ Client contract (what every strategy built on this base relies on):
 - **Down.** The server sends each datacenter a train message holding the
   current global weights x (packed by :func:`crossdc.protocol.encode_tensors`:
   records ``arrays`` and ``layout``), the strategy's extra tensor groups from
-  :meth:`Strategy.client_arrays` (each under its own named record, e.g.
-  ``control`` = SCAFFOLD's server control variate c), and a config record with
-  at least ``round``, ``tau`` (local optimizer steps to run) and
-  ``crossdc-run-id``, plus the strategy's own entries from
-  :meth:`Strategy.client_config`.
+  :meth:`Strategy.client_arrays` (each under its own named record, declared in
+  :attr:`Strategy.client_groups`, e.g. ``control`` = SCAFFOLD's server control
+  variate c), and a config record with at least ``round``, ``tau`` (local
+  optimizer steps to run) and ``crossdc-run-id``, plus the strategy's own
+  entries from :meth:`Strategy.client_config`.
 - **Local work.** The datacenter loads x, runs exactly ``tau`` steps of its
   inner optimizer on its own data — with the strategy's local hooks from
   :meth:`Strategy.local_hooks` (a term added to every step's loss, a
@@ -23,12 +23,17 @@ Client contract (what every strategy built on this base relies on):
   record with ``num-examples`` (examples seen in those steps), ``train-loss``
   and ``compute-s``.
 
+No tensor group of a strategy (down or up) may take a record name of the
+protocol (:data:`crossdc.protocol.RESERVED_RECORDS`, or a group's layout record
+``<group>-layout``): a class that declares one is refused when it is defined.
+
 The base owns what every strategy shares: the τ schedule, the
 example-weighted mean of the updates (:meth:`Strategy.mean_update`; a
 coordinate-wise median or trimmed mean instead when the run sets
-``[security] robust_aggregation``, see :meth:`Strategy.use_robust_aggregation`),
-the plain "x + mean Δy" step, per-round metrics for the run log, and the
-checkpoint hooks. A strategy overrides only
+``[security] robust_aggregation``, the constructor's ``robust_aggregation``),
+which the round loop computes once per round and hands to
+:meth:`Strategy.aggregate` as ``mean``; the plain "x + mean" step, per-round
+metrics for the run log, and the checkpoint hooks. A strategy overrides only
 what differs (FedProx: the local loss; SCAFFOLD: local gradients, reply and
 server state; DiLoCo: the server's outer step).
 
@@ -49,14 +54,20 @@ from typing import TYPE_CHECKING, Any, ClassVar
 import numpy as np
 
 from crossdc.parameters import Parameter, ParameterError, check_parameters
+from crossdc.protocol import RESERVED_RECORDS, layout_key
 from crossdc.strategies.aggregation import add
 from crossdc.strategies.robust import DEFAULT_TRIM_FRACTION, check_robust_aggregation, robust_mean
-from crossdc.strategies.schedule import tau_for_round
+from crossdc.strategies.schedule import TauSchedule
 
 if TYPE_CHECKING:
     import torch
 
 Arrays = Mapping[str, np.ndarray]
+
+#: the loops that can drive a strategy (:attr:`Strategy.loop`): ``sync`` — rounds, every datacenter trains from the
+#: same global weights and one aggregate ends the round (crossdc.federation.sync_loop); ``async`` — updates applied as
+#: they arrive, scaled by staleness (crossdc.federation.async_loop, :class:`crossdc.strategies.asynchronous.AsyncStrategy`)
+LOOPS: tuple[str, ...] = ("sync", "async")
 
 
 @dataclass(frozen=True)
@@ -126,76 +137,129 @@ class Strategy(ABC):
     """Base of all crossdc strategies (see the module docstring for the client contract).
 
     Defaults: FedAvg on both halves — plain local steps, no state, x ← x + example-weighted mean Δy.
+
+    Built by keyword, in one step (:func:`crossdc.experiment.builders.build_strategy` does it from a config)::
+
+        Strategy(tau=TauSchedule(1, 50, 5), params={...}, run=RunInfo(...), robust_aggregation="median")
+
+    A subclass declares what it is in class attributes (``name``, ``loop``, ``parameters``, ``client_groups``,
+    ``reply_groups``, ``client_state_key``, ``combines_updates``) and overrides only the hooks that differ:
+
+    - :meth:`check_run` — refuse a run it cannot serve (e.g. the wrong inner optimizer);
+    - :meth:`setup` — create its server state (or give it class-level defaults instead);
+    - server half: :meth:`client_config`, :meth:`client_arrays`, :meth:`aggregate`, :meth:`round_metrics`,
+      :meth:`state_dict` / :meth:`load_state_dict`;
+    - datacenter half: :meth:`local_plan`, :meth:`local_hooks`, :meth:`local_finish`.
     """
 
     name: ClassVar[str]
+    #: the loop that drives the strategy, one of LOOPS (``sync``: rounds; ``async``: see AsyncStrategy)
+    loop: ClassVar[str] = "sync"
     #: parameter name → its declaration; checked before a run starts, shown by `crossdc strategies list`.
     parameters: ClassVar[dict[str, Parameter]] = {}
+    #: tensor groups (record names) :meth:`client_arrays` sends down besides the weights.
+    client_groups: ClassVar[tuple[str, ...]] = ()
     #: tensor groups (record names) every reply must carry besides the update; a reply without one is rejected.
     reply_groups: ClassVar[tuple[str, ...]] = ()
     #: the state-store key of the datacenter half's state (None: it keeps none beyond the trainer's own).
     client_state_key: ClassVar[str | None] = None
-    #: how :meth:`mean_update` combines the updates (set by :meth:`use_robust_aggregation`; server half only)
-    robust_aggregation: str = "none"
-    trim_fraction: float = DEFAULT_TRIM_FRACTION
+    #: whether a server step combines several updates; False (one update per step, FedAsync) refuses
+    #: ``[security] robust_aggregation``, which would have nothing to combine.
+    combines_updates: ClassVar[bool] = True
 
-    def __init__(self, tau_start: int, tau_end: int, warmup_rounds: int, tau_kind: str = "linear", params: Mapping[str, Any] | None = None) -> None:
+    #: set by the constructor: the checked parameters, the τ schedule, the run (None: built without one), and how
+    #: :meth:`mean_update` combines the updates (server half only)
+    params: dict[str, Any]
+    schedule: TauSchedule
+    run: RunInfo | None
+    robust_aggregation: str
+    trim_fraction: float
+
+    def __init_subclass__(cls, **kwargs: Any) -> None:
+        """Refuse, when the class is defined, an unknown loop or a tensor group that takes a protocol record name."""
+        super().__init_subclass__(**kwargs)
+        if cls.loop not in LOOPS:
+            raise StrategyError(f"strategy class {cls.__qualname__}: unknown loop {cls.loop!r}; known: {', '.join(LOOPS)}")
+        groups = (*cls.client_groups, *cls.reply_groups)
+        reserved = RESERVED_RECORDS | {layout_key(group) for group in (*RESERVED_RECORDS, *groups)}
+        for group in groups:
+            if group in reserved:
+                raise StrategyError(f"strategy class {cls.__qualname__}: tensor group '{group}' is a record name the "
+                                    f"protocol reserves (reserved: {', '.join(sorted(RESERVED_RECORDS))} and every "
+                                    f"'<group>-layout')")
+
+    def __init__(self, *, tau: TauSchedule | int | None = None, params: Mapping[str, Any] | None = None,
+                 run: RunInfo | None = None, robust_aggregation: str = "none",
+                 trim_fraction: float = DEFAULT_TRIM_FRACTION) -> None:
+        """Check `params` against :attr:`parameters` (defaults filled in), validate the τ schedule (`tau`: a
+        TauSchedule, an int for a constant τ, None for τ = 1), check the strategy fits `run` (:meth:`check_run`;
+        skipped without a run, which only the datacenter-count-free parts of a strategy tolerate), make
+        :meth:`mean_update` the `robust_aggregation` (``none``, ``median``, ``trimmed_mean`` with `trim_fraction`;
+        see :func:`crossdc.strategies.robust.robust_mean`), then call :meth:`setup`. Every refusal is a one-line
+        StrategyError naming the strategy."""
         try:
-            self.params: dict[str, Any] = check_parameters(f"strategy '{self.name}'", self.parameters, dict(params or {}))
+            self.params = check_parameters(f"strategy '{self.name}'", self.parameters, dict(params or {}))
         except ParameterError as err:
             raise StrategyError(str(err)) from None
-        self.tau_start, self.tau_end, self.warmup_rounds, self.tau_kind = tau_start, tau_end, warmup_rounds, tau_kind
-        tau_for_round(1, tau_start, tau_end, warmup_rounds, tau_kind)  # validates the schedule now, not mid-run
-        self.run: RunInfo | None = None
-
-    def bind(self, run: RunInfo) -> None:
-        """Check the strategy fits the run (raise StrategyError naming the strategy and the key) and remember it.
-
-        Called before any process starts (`crossdc run`), and again in every trainer. Override to add checks,
-        calling ``super().bind(run)``.
-        """
+        self.schedule = TauSchedule(tau, tau) if isinstance(tau, int) else tau or TauSchedule()
+        try:
+            self.schedule.tau(1)  # validates the schedule now, not mid-run
+            check_robust_aggregation(robust_aggregation, trim_fraction)
+        except ValueError as err:
+            raise StrategyError(f"strategy '{self.name}': {err}") from None
+        if robust_aggregation != "none" and not self.combines_updates:
+            raise StrategyError(f"strategy '{self.name}' applies one update at a time: security.robust_aggregation = "
+                                f"\"{robust_aggregation}\" has nothing to combine")
+        self.robust_aggregation, self.trim_fraction = robust_aggregation, trim_fraction
         self.run = run
+        if run is not None:
+            self.check_run(run)
+        self.setup()
+
+    def check_run(self, run: RunInfo) -> None:
+        """Refuse a run this strategy cannot serve: raise StrategyError naming the strategy and the key. Nothing by
+        default. Called by the constructor when it is given a run (before any process starts, `crossdc run`, and
+        again in every trainer), with :attr:`params`, :attr:`schedule` and :attr:`run` already set; an override
+        calls ``super().check_run(run)``."""
+
+    def setup(self) -> None:
+        """Create the strategy's own state; called last by the constructor, with :attr:`params`, :attr:`schedule`,
+        :attr:`run` and the robust aggregation set. Nothing by default (state may also be a class-level default,
+        e.g. ``velocity = None``, replaced rather than mutated); an override calls ``super().setup()``."""
 
     @property
     def num_datacenters(self) -> int:
-        """N, the number of configured datacenters (needs :meth:`bind`)."""
+        """N, the number of configured datacenters (needs a run)."""
         if self.run is None:
-            raise StrategyError(f"strategy '{self.name}' is not bound to a run yet (call bind first)")
+            raise StrategyError(f"strategy '{self.name}' was built without a run (pass run=RunInfo(...))")
         return len(self.run.datacenters)
 
     # -- server half -----------------------------------------------------------------------
 
     def tau(self, server_round: int) -> int:
-        """Local optimizer steps each datacenter runs in this round."""
-        return tau_for_round(server_round, self.tau_start, self.tau_end, self.warmup_rounds, self.tau_kind)
+        """Local optimizer steps each datacenter runs in this round (from :attr:`schedule`)."""
+        return self.schedule.tau(server_round)
 
     def client_config(self, server_round: int) -> dict[str, int | float | str | bool]:
         """Extra entries for the train message's config record (none by default)."""
         return {}
 
     def client_arrays(self, server_round: int, global_weights: Arrays) -> dict[str, dict[str, np.ndarray]]:
-        """Extra tensor groups for the train message, by record name (none by default)."""
+        """Extra tensor groups for the train message, by record name, one per :attr:`client_groups` (none by default)."""
         return {}
-
-    def use_robust_aggregation(self, kind: str, trim_fraction: float = DEFAULT_TRIM_FRACTION) -> None:
-        """Make :meth:`mean_update` the robust aggregate `kind` (``[security] robust_aggregation``: ``none``,
-        ``median`` or ``trimmed_mean`` with `trim_fraction`; see :func:`crossdc.strategies.robust.robust_mean`).
-        Set once after construction (:func:`crossdc.experiment.builders.build_strategy`); StrategyError if unknown."""
-        try:
-            check_robust_aggregation(kind, trim_fraction)
-        except ValueError as err:
-            raise StrategyError(f"strategy '{self.name}': {err}") from None
-        self.robust_aggregation, self.trim_fraction = kind, trim_fraction
 
     def mean_update(self, updates: Sequence[ClientUpdate]) -> dict[str, np.ndarray]:
         """The aggregate of the accepted updates Δy: their example-weighted mean, or the robust aggregate the run
-        asked for (:meth:`use_robust_aggregation`). Every strategy's server step goes through it."""
+        asked for (the constructor's `robust_aggregation`). The round loop calls it once per round and hands the
+        result to :meth:`aggregate`; an asynchronous strategy's step calls it on what it applies."""
         return robust_mean([u.delta for u in updates], [u.num_examples for u in updates], self.robust_aggregation,
                            self.trim_fraction)
 
-    def aggregate(self, server_round: int, global_weights: Arrays, updates: Sequence[ClientUpdate]) -> dict[str, np.ndarray]:
-        """New global weights from the accepted updates (default: x + mean Δy)."""
-        return add(global_weights, self.mean_update(updates))
+    def aggregate(self, server_round: int, global_weights: Arrays, updates: Sequence[ClientUpdate],
+                  mean: Arrays) -> dict[str, np.ndarray]:
+        """New global weights from this round's accepted updates; `mean` is their aggregate, computed once by the
+        loop as :meth:`mean_update` (``updates``). Default: x + mean."""
+        return add(global_weights, mean)
 
     def round_metrics(self, server_round: int, updates: Sequence[ClientUpdate]) -> dict[str, Any]:
         """JSON-able numbers about this round's aggregation, for the run log (an event); none by default."""

@@ -36,20 +36,20 @@ class DiLoCo(Strategy):
         "outer_momentum": Parameter(float, 0.9, "outer Nesterov momentum μ (0 = plain outer SGD)", low=0.0, high=0.999),
     }
 
-    def __init__(self, *args: Any, **kwargs: Any) -> None:
-        super().__init__(*args, **kwargs)
-        self.momentum_buffer: dict[str, np.ndarray] | None = None
-        self.outer_steps = 0
-        self.last_step_l2 = 0.0
+    #: server state, replaced (never mutated) by each outer step: the outer momentum b, steps taken, last step's norm
+    momentum_buffer: dict[str, np.ndarray] | None = None
+    outer_steps = 0
+    last_step_l2 = 0.0
 
-    def bind(self, run: RunInfo) -> None:
+    def check_run(self, run: RunInfo) -> None:
         if run.optimizer != "adamw":
             raise StrategyError(f"strategy '{self.name}' needs workload.optimizer = \"adamw\" (its inner optimizer), "
                                 f"got \"{run.optimizer}\"")
-        super().bind(run)
+        super().check_run(run)
 
-    def aggregate(self, server_round: int, global_weights: Arrays, updates: Sequence[ClientUpdate]) -> dict[str, np.ndarray]:
-        pseudo_gradient = negate(self.mean_update(updates))
+    def aggregate(self, server_round: int, global_weights: Arrays, updates: Sequence[ClientUpdate],
+                  mean: Arrays) -> dict[str, np.ndarray]:
+        pseudo_gradient = negate(mean)
         weights, self.momentum_buffer = nesterov_sgd_step(global_weights, pseudo_gradient, self.momentum_buffer,
                                                           float(self.params["outer_lr"]), float(self.params["outer_momentum"]))
         self.outer_steps += 1

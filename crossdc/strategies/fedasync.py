@@ -18,8 +18,7 @@ import numpy as np
 
 from crossdc.strategies.aggregation import add
 from crossdc.strategies.asynchronous import AsyncStrategy, Submitted, async_parameters
-from crossdc.strategies.base import Arrays, StrategyError
-from crossdc.strategies.robust import DEFAULT_TRIM_FRACTION
+from crossdc.strategies.base import Arrays
 
 
 def fedasync_step(global_weights: Arrays, delta: Arrays, scale: float) -> dict[str, np.ndarray]:
@@ -32,15 +31,10 @@ class FedAsync(AsyncStrategy):
 
     name = "fedasync"
     parameters = async_parameters(0.6, "mixing rate α: an update with staleness 0 is applied × α")
+    combines_updates = False  # one update per step: security.robust_aggregation is refused
 
     def apply(self, global_weights: Arrays, updates: Sequence[Submitted]) -> dict[str, np.ndarray]:
         weights = {name: np.asarray(value, np.float32) for name, value in global_weights.items()}
         for entry in updates:  # one per step; several would be applied one after the other
             weights = fedasync_step(weights, entry.update.delta, entry.scale)
         return weights
-
-    def use_robust_aggregation(self, kind: str, trim_fraction: float = DEFAULT_TRIM_FRACTION) -> None:
-        if kind != "none":
-            raise StrategyError(f"strategy '{self.name}' applies one update at a time: "
-                                f"security.robust_aggregation = \"{kind}\" has nothing to combine (use fedbuff)")
-        super().use_robust_aggregation(kind, trim_fraction)

@@ -43,8 +43,8 @@ class FedBuff(AsyncStrategy):
         k = int(self.params["buffer_size"])
         return k if k > 0 else self.num_datacenters
 
-    def bind(self, run: RunInfo) -> None:
-        super().bind(run)
+    def check_run(self, run: RunInfo) -> None:
+        super().check_run(run)
         if self.max_staleness == 0 and self.buffer_size() > len(run.datacenters):
             raise StrategyError(f"strategy '{self.name}': with max_staleness = 0 each datacenter puts at most one update "
                                 f"into a buffer, so buffer_size = {self.buffer_size()} can never fill with "

@@ -39,7 +39,7 @@ import numpy as np
 import torch
 
 from crossdc.protocol import CONTROL_KEY
-from crossdc.strategies.aggregation import l2_norm, mean, scaffold_client_control, scaffold_server_step, subtract, total_sum
+from crossdc.strategies.aggregation import l2_norm, mean as plain_mean, scaffold_client_control, scaffold_server_step, subtract, total_sum
 from crossdc.strategies.base import (Arrays, ClientUpdate, LocalContext, LocalHooks, LocalResult, Parameter, RunInfo,
                                      Strategy, StrategyError)
 
@@ -56,18 +56,17 @@ class Scaffold(Strategy):
 
     name = "scaffold"
     parameters = {"global_lr": Parameter(float, 1.0, "server step size η_g: x ← x + η_g·mean(Δy)", low=0.0)}
+    client_groups = (CONTROL_KEY,)
     reply_groups = (CONTROL_KEY,)
     client_state_key = CLIENT_CONTROL_KEY
+    #: c, the server control variate: created as zeros at the first round, replaced (never mutated) by each step
+    control: dict[str, np.ndarray] | None = None
 
-    def __init__(self, *args: Any, **kwargs: Any) -> None:
-        super().__init__(*args, **kwargs)
-        self.control: dict[str, np.ndarray] | None = None  # c, created as zeros at the first round
-
-    def bind(self, run: RunInfo) -> None:
+    def check_run(self, run: RunInfo) -> None:
         if run.optimizer != "sgd":
             raise StrategyError(f"strategy '{self.name}' needs workload.optimizer = \"sgd\" (its control variates are "
                                 f"defined for plain SGD steps), got \"{run.optimizer}\"")
-        super().bind(run)
+        super().check_run(run)
 
     # -- server half -----------------------------------------------------------------------
 
@@ -76,11 +75,12 @@ class Scaffold(Strategy):
             self.control = zeros_like(global_weights)
         return {CONTROL_KEY: self.control}
 
-    def aggregate(self, server_round: int, global_weights: Arrays, updates: Sequence[ClientUpdate]) -> dict[str, np.ndarray]:
+    def aggregate(self, server_round: int, global_weights: Arrays, updates: Sequence[ClientUpdate],
+                  mean: Arrays) -> dict[str, np.ndarray]:
         if self.control is None:
             self.control = zeros_like(global_weights)
-        mean_dc = mean([u.group(CONTROL_KEY) for u in updates])
-        weights, self.control = scaffold_server_step(global_weights, self.control, self.mean_update(updates), mean_dc,
+        mean_dc = plain_mean([u.group(CONTROL_KEY) for u in updates])
+        weights, self.control = scaffold_server_step(global_weights, self.control, mean, mean_dc,
                                                      float(self.params["global_lr"]), len(updates), self.num_datacenters)
         return weights
 

@@ -1,8 +1,9 @@
-"""Schedules for the number of local steps τ per round (pure functions)."""
+"""Schedules for the number of local steps τ per round: the pure function, and the schedule a strategy is built with."""
 
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass
 
 
 def tau_for_round(server_round: int, start: int, end: int, warmup_rounds: int, kind: str = "linear") -> int:
@@ -28,3 +29,18 @@ def tau_for_round(server_round: int, start: int, end: int, warmup_rounds: int, k
     else:
         raise ValueError(f"unknown tau schedule kind {kind!r}; known: linear, geometric")
     return max(1, int(math.floor(value + 0.5)))
+
+
+@dataclass(frozen=True)
+class TauSchedule:
+    """Local steps per round: from `start` to `end` over `warmup_rounds`, moving as `kind` says (see
+    :func:`tau_for_round`). The default is a constant τ = 1; ``TauSchedule(5, 5)`` is a constant τ = 5."""
+
+    start: int = 1
+    end: int = 1
+    warmup_rounds: int = 0
+    kind: str = "linear"
+
+    def tau(self, server_round: int) -> int:
+        """τ for a 1-based round (ValueError for a schedule :func:`tau_for_round` refuses)."""
+        return tau_for_round(server_round, self.start, self.end, self.warmup_rounds, self.kind)

@@ -1,46 +1,41 @@
-"""The federation's rounds in one process, without Flower: for tests and benchmarks that need many rounds fast.
+"""The federation's rounds in one process, without Flower's transport: for tests and benchmarks that need many
+rounds fast, and for plug-in authors to try a strategy without starting processes.
 
-Same code paths as a real run, minus the transport: each datacenter is a
+Same code paths as a real run, minus the transport: the server side is a
+:class:`~crossdc.federation.session.RoundSession` (the same train messages, update gate, norm-outlier check and
+server step as :mod:`crossdc.federation.sync_loop`); each datacenter is a
 :class:`~crossdc.clients.local_training.LocalTrainer` with its own durable
-:class:`~crossdc.clients.state_store.DatacenterStateStore`, driven by
-:func:`~crossdc.clients.local_round.run_local_round` (exactly what the persistent trainer runs per round); the
-server side is the strategy's ``tau`` / ``client_arrays`` / ``aggregate`` behind the update gate
-(:mod:`crossdc.federation.update_gate`: the size limit, the tensor checks, then the round's norm outliers), as in
-:mod:`crossdc.federation.sync_loop`.
-What it leaves out: Flower messages and their (de)serialisation (the float32 tensors, or the codec payload
-when the run compresses, are passed as they are, which is what the wire format carries), worker groups (W = 1), deadlines and the run log.
-Bytes are still counted as a run counts them: `bytes_down` is the serialised size of the message a datacenter would be
-sent (:func:`~crossdc.protocol.payload_bytes` of the same records), `bytes_up` the update as sent (codec
-payload or dense float32) plus the strategy's dense reply groups (SCAFFOLD's control variate).
+:class:`~crossdc.clients.state_store.DatacenterStateStore`, which reads its train message as the ClientApp does
+(:class:`crossdc.protocol.TrainRequest`) and runs :func:`~crossdc.clients.local_round.run_local_round` (exactly
+what the persistent trainer runs per round); its answer is packed as the ClientApp packs it
+(:func:`crossdc.protocol.reply_content`) and judged at the gate.
+What it leaves out: the Flower transport and its polling, worker groups (W = 1), deadlines and the run log.
+Bytes are counted as a run counts them: `bytes_down` is the serialised size of each datacenter's train message,
+`bytes_up` that of its reply (:func:`~crossdc.protocol.payload_bytes`).
 """
 
 from __future__ import annotations
 
+import time
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 import numpy as np
-import torch
-from flwr.app import ConfigRecord, RecordDict
 
-from crossdc import protocol as proto
+from crossdc import protocol
 from crossdc.clients.local_round import run_local_round
 from crossdc.clients.local_training import LocalTrainer
-from crossdc.workloads import load_model_weights, model_weights
-from crossdc import protocol as wire
-from crossdc.protocol import global_model
 from crossdc.clients.state_store import DatacenterStateStore
-from crossdc.compression.downlink import DownlinkSender, receive
-from crossdc.protocol import CONFIG_KEY, encode_tensors, payload_bytes, raw_fp32_bytes
-from crossdc.compression.uplink import decode_arrays
-from crossdc.compression.wire import CodecError
-from crossdc.experiment.config import ExperimentConfig, SecuritySection
-from crossdc.experiment.builders import build_strategy, build_workload, datacenter_seed, initial_model
-from crossdc.federation.update_gate import rejection_reason, size_rejection_reason, update_norm_outliers, update_size_limit
+from crossdc.compression.downlink import receive
+from crossdc.experiment.builders import datacenter_seed
+from crossdc.experiment.config import (CompressionSection, DatacenterSection, ExperimentConfig, RunSection, SecuritySection,
+                                       StrategySection, WorkloadSection)
+from crossdc.federation.session import RoundSession
+from crossdc.protocol import TrainRequest, payload_bytes, reply_content
 from crossdc.strategies.base import ClientUpdate, Strategy
-from crossdc.workloads import Workload, evaluate
+from crossdc.workloads import Workload
 
 
 @dataclass
@@ -52,7 +47,7 @@ class RoundResult:
     updates: list[ClientUpdate] = field(default_factory=list)
     rejected: dict[str, str] = field(default_factory=dict)
     strategy_metrics: dict[str, Any] = field(default_factory=dict)
-    #: bytes of each datacenter's update as sent (the codec payload, or dense float32 without codecs) and its extra groups
+    #: bytes of each datacenter's reply as it would travel (serialised: the update, its extra groups, the metrics)
     bytes_up: dict[str, int] = field(default_factory=dict)
     #: bytes of the message each datacenter was sent (model or downlink payload, the strategy's groups, the config)
     bytes_down: dict[str, int] = field(default_factory=dict)
@@ -61,99 +56,97 @@ class RoundResult:
 
 
 class InProcessFederation:
-    """Datacenters and server of one experiment in this process (see the module docstring)."""
+    """Datacenters and server of one experiment in this process (see the module docstring).
 
-    def __init__(self, workload: Workload, strategy: Strategy, datacenters: Sequence[str], batch_size: int, optimizer: str,
-                 lr: float, seeds: Mapping[str, int], state_root: str | Path, initial_weights: Mapping[str, np.ndarray],
-                 run_id: str = "inprocess", codecs: Sequence[str] = (), downlink_codecs: Sequence[str] = (),
-                 security: SecuritySection = SecuritySection()) -> None:
-        """`security` gives the size limit and the norm-outlier factor; its robust aggregation is the strategy's
-        (set by build_strategy, or by the caller on a strategy built by hand)."""
-        self.workload, self.strategy, self.lr = workload, strategy, lr
-        self.downlink = DownlinkSender(downlink_codecs) if downlink_codecs else None
-        self.codecs, self.seeds = tuple(codecs), dict(seeds)
-        self.datacenters = list(datacenters)
-        self.trainers = {dc: LocalTrainer(workload, workload.shard(dc), batch_size, optimizer, lr, seeds[dc]) for dc in self.datacenters}
+    `workload`, `strategy` and `initial_weights` default to what `crossdc run` builds from `config`; `seeds` (each
+    datacenter's data-order seed) to :func:`~crossdc.experiment.builders.datacenter_seed`."""
+
+    def __init__(self, config: ExperimentConfig, state_root: str | Path, run_id: str = "inprocess", *,
+                 workload: Workload | None = None, strategy: Strategy | None = None,
+                 initial_weights: Mapping[str, np.ndarray] | None = None, seeds: Mapping[str, int] | None = None) -> None:
+        self.config = config
+        self.session = RoundSession(config, run_id, workload=workload, strategy=strategy, initial_weights=initial_weights)
+        self.run_id = run_id
+        self.datacenters = list(config.datacenter_names)
+        w = config.workload
+        self.seeds = dict(seeds) if seeds is not None else {dc: datacenter_seed(config, dc) for dc in self.datacenters}
+        workload = self.session.workload
+        self.trainers = {dc: LocalTrainer(workload, workload.shard(dc), w.batch_size, w.optimizer, w.lr, self.seeds[dc])
+                         for dc in self.datacenters}
         self.stores = {dc: DatacenterStateStore(state_root, run_id, dc) for dc in self.datacenters}
-        self.weights: dict[str, np.ndarray] = {k: np.asarray(v, np.float32).copy() for k, v in initial_weights.items()}
-        self.norm_rejection_factor = security.norm_rejection_factor
-        self.max_bytes = update_size_limit(raw_fp32_bytes(self.weights), len(strategy.reply_groups), security.max_update_mb)
         self.server_round = 0
-        self._eval_model: torch.nn.Module | None = None
 
     @classmethod
     def from_config(cls, config: ExperimentConfig, state_root: str | Path, run_id: str = "inprocess") -> "InProcessFederation":
         """The experiment as `crossdc run` builds it: same workload, strategy, initial weights and data-order seeds."""
-        workload = build_workload(config)
-        strategy = build_strategy(config)
-        weights = model_weights(initial_model(config, workload))
-        w = config.workload
-        seeds = {dc: datacenter_seed(config, dc) for dc in config.datacenter_names}
-        return cls(workload, strategy, config.datacenter_names, w.batch_size, w.optimizer, w.lr, seeds, state_root, weights, run_id,
-                   config.compression.codecs, config.compression.downlink_codecs, config.security)
+        return cls(config, state_root, run_id)
+
+    @classmethod
+    def from_parts(cls, workload: Workload, strategy: Strategy, datacenters: Sequence[str], batch_size: int,
+                   optimizer: str, lr: float, seeds: Mapping[str, int], state_root: str | Path,
+                   initial_weights: Mapping[str, np.ndarray], run_id: str = "inprocess", codecs: Sequence[str] = (),
+                   downlink_codecs: Sequence[str] = (), security: SecuritySection = SecuritySection()) -> "InProcessFederation":
+        """A federation of pieces built by hand (a strategy under test, a workload of the test's own): the config
+        says the rest. `security` gives the size limit and the norm-outlier factor; robust aggregation is the
+        strategy's own."""
+        config = ExperimentConfig(
+            run=RunSection(name=run_id), strategy=StrategySection(name=strategy.name),
+            workload=WorkloadSection(batch_size=batch_size, optimizer=optimizer, lr=lr),
+            datacenters=tuple(DatacenterSection(name) for name in datacenters),
+            compression=CompressionSection(codecs=tuple(codecs), downlink_codecs=tuple(downlink_codecs)), security=security)
+        return cls(config, state_root, run_id, workload=workload, strategy=strategy, initial_weights=initial_weights,
+                   seeds=seeds)
+
+    @property
+    def strategy(self) -> Strategy:
+        return self.session.strategy
+
+    @property
+    def workload(self) -> Workload:
+        return self.session.workload
+
+    @property
+    def weights(self) -> dict[str, np.ndarray]:
+        return self.session.weights
 
     def run_round(self, participants: Sequence[str] | None = None) -> RoundResult:
         """One round: every datacenter in `participants` (default: all) trains; the strategy aggregates the accepted."""
         self.server_round += 1
-        tau = self.strategy.tau(self.server_round)
-        sent = {group: {k: v.copy() for k, v in arrays.items()}
-                for group, arrays in self.strategy.client_arrays(self.server_round, self.weights).items()}
-        result = RoundResult(self.server_round, tau)
-        group_records: dict[str, Any] = encode_tensors(self.weights) if self.downlink is None else {}
-        for group, arrays in sent.items():
-            group_records.update(encode_tensors(arrays, group))
-        round_config = {wire.ROUND: self.server_round, wire.TAU: tau, **self.strategy.client_config(self.server_round)}
-        if self.downlink is not None:
-            self.downlink.prepare(self.weights, self.server_round)
+        session, server_round = self.session, self.server_round
+        tau = self.strategy.tau(server_round)
+        result = RoundResult(server_round, tau)
+        session.prepare_model(server_round, server_round)
+        judged = {}
         for dc in (self.datacenters if participants is None else participants):
-            start_from = self.weights
-            records: dict[str, Any] = {}
-            cfg: dict[str, Any] = {}
-            if self.downlink is not None:  # the reference the datacenter holds, rebuilt from what it was sent
-                records, cfg = self.downlink.message_for(dc)
-                start_from = receive(global_model(RecordDict({**records, CONFIG_KEY: ConfigRecord(cfg)}))["downlink"],
-                                     self.stores[dc], self.server_round)
-            result.bytes_down[dc] = payload_bytes(RecordDict({**records, **group_records,
-                                                              CONFIG_KEY: ConfigRecord({**round_config, wire.DATACENTER: dc, **cfg})}))
-            answer = run_local_round(self.strategy, self.trainers[dc], self.stores[dc], dc, self.server_round, tau, self.lr,
-                                     start_from, sent, codecs=self.codecs, codec_seed=self.seeds[dc])
-            extras = answer["extras"]
-            result.compute_s[dc] = float(answer["metrics"][proto.COMPUTE_S])
-            result.bytes_up[dc] = (int(answer["payload"].nbytes) if "payload" in answer else raw_fp32_bytes(answer["delta"])) \
-                + sum(raw_fp32_bytes(extras[group]) for group in self.strategy.reply_groups if group in extras)
-            too_big = size_rejection_reason(result.bytes_up[dc], self.max_bytes)
-            if too_big is not None:
-                result.rejected[dc] = too_big
-                continue
-            if "payload" in answer:
-                try:
-                    answer["delta"] = decode_arrays(answer["payload"], self.weights)
-                except CodecError as err:
-                    result.rejected[dc] = f"undecodable update: {err}"
-                    continue
-            reason = rejection_reason(answer["delta"], self.weights)
-            for group in self.strategy.reply_groups:
-                if reason is None:
-                    reason = f"missing tensor group '{group}'" if group not in extras else rejection_reason(extras[group], self.weights)
-            if reason is not None:
-                result.rejected[dc] = reason
-                continue
-            result.updates.append(ClientUpdate(dc, answer["delta"], int(answer["metrics"][proto.NUM_EXAMPLES]), answer["metrics"],
-                                               {g: extras[g] for g in self.strategy.reply_groups}))
-        outliers = update_norm_outliers({u.datacenter: u.delta for u in result.updates}, self.norm_rejection_factor)
-        result.rejected.update(outliers)
-        result.updates = [u for u in result.updates if u.datacenter not in outliers]
-        if self.downlink is not None:
-            for update in result.updates:
-                self.downlink.acknowledge(update.datacenter)
+            task = protocol.train_config(server_round=server_round, tau=tau, run_id=self.run_id, run_dir="",
+                                         datacenter=dc)
+            content, _ = session.train_message(dc, server_round, task)
+            result.bytes_down[dc] = payload_bytes(content)
+            started = time.perf_counter()
+            request = TrainRequest.from_message(content)  # what the ClientApp hands the trainer
+            model = request.model
+            start_from = (receive(model["downlink"], self.stores[dc], server_round) if "downlink" in model
+                          else model["weights"])
+            answer = run_local_round(self.strategy, self.trainers[dc], self.stores[dc], dc, server_round, tau,
+                                     self.config.workload.lr, start_from, request.received,
+                                     codecs=self.config.compression.codecs, codec_seed=self.seeds[dc])
+            reply = reply_content(answer)
+            result.compute_s[dc] = float(answer["metrics"][protocol.COMPUTE_S])
+            result.bytes_up[dc] = payload_bytes(reply)
+            judged[dc] = session.judge_content(dc, reply, tau, time.perf_counter() - started)
+        session.reject_outliers(judged)
+        for dc, outcome in judged.items():
+            session.note_outcome(dc, outcome, server_round)
+            if outcome.update is None:
+                result.rejected[dc] = str(outcome.record.reason)
+            else:
+                result.updates.append(outcome.update)
         if result.updates:
-            self.weights = self.strategy.aggregate(self.server_round, self.weights, result.updates)
-            result.strategy_metrics = self.strategy.round_metrics(self.server_round, result.updates)
+            session.aggregate(server_round, result.updates)
+            result.strategy_metrics = self.strategy.round_metrics(server_round, result.updates)
         return result
 
     def evaluate(self) -> tuple[float, float]:
         """(validation loss, accuracy) of the current global weights on the workload's one validation set."""
-        if self._eval_model is None:
-            self._eval_model = self.workload.make_model()
-        load_model_weights(self._eval_model, self.weights)
-        return evaluate(self.workload, self._eval_model)
+        loss, accuracy, _ = self.session.evaluate()
+        return loss, accuracy

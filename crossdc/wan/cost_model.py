@@ -3,7 +3,7 @@
 Pure functions, no I/O and no torch: given a model size, the datacenters and
 their links, the local step time and the strategy (τ local steps per round,
 compression), predict where a round's time goes, in the vocabulary of
-DESIGN.md ("Time, bytes and identity"): `compute_s`, `comm_s`, the comm/comp
+docs/glossary.md: `compute_s`, `comm_s`, the comm/comp
 ratio `comm_s / compute_s` (alert above 0.1) and utilisation.
 
 Two regimes are modelled.

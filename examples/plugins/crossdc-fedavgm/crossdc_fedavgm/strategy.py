@@ -12,11 +12,10 @@ from typing import Any
 
 import numpy as np
 
-from crossdc.strategies.base import ClientUpdate, Parameter, Strategy
+from crossdc.strategies.base import Arrays, ClientUpdate, Parameter, Strategy
 
 
-def server_momentum_step(weights: Mapping[str, np.ndarray], mean_delta: Mapping[str, np.ndarray],
-                         velocity: Mapping[str, np.ndarray] | None, lr: float, momentum: float
+def server_momentum_step(weights: Arrays, mean_delta: Arrays, velocity: Arrays | None, lr: float, momentum: float
                          ) -> tuple[dict[str, np.ndarray], dict[str, np.ndarray]]:
     """(x + η·v, v) with v = β·v + mean Δy (v = mean Δy at the first step). Pure; float32 in and out."""
     new_v = {n: (np.float32(momentum) * velocity[n] + mean_delta[n] if velocity is not None else mean_delta[n].copy()).astype(np.float32)
@@ -32,14 +31,10 @@ class FedAvgM(Strategy):
         "server_lr": Parameter(float, 1.0, "server learning rate η", low=0.0),
         "server_momentum": Parameter(float, 0.9, "server momentum β", low=0.0, high=0.999),
     }
+    velocity: dict[str, np.ndarray] | None = None  # v: server state, replaced by each step
 
-    def __init__(self, *args: Any, **kwargs: Any) -> None:
-        super().__init__(*args, **kwargs)
-        self.velocity: dict[str, np.ndarray] | None = None
-
-    def aggregate(self, server_round: int, global_weights: Mapping[str, np.ndarray],
-                  updates: Sequence[ClientUpdate]) -> dict[str, np.ndarray]:
-        weights, self.velocity = server_momentum_step(global_weights, self.mean_update(updates), self.velocity,
+    def aggregate(self, server_round: int, global_weights: Arrays, updates: Sequence[ClientUpdate], mean: Arrays) -> dict[str, np.ndarray]:
+        weights, self.velocity = server_momentum_step(global_weights, mean, self.velocity,
                                                       float(self.params["server_lr"]), float(self.params["server_momentum"]))
         return weights
 

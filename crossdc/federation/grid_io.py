@@ -1,0 +1,145 @@
+"""The coordinator's side of Flower's Grid: finding the datacenters and collecting replies as they arrive.
+
+Promises: :func:`discover_datacenters` maps every configured datacenter to its SuperNode (asking each node who it
+is) or raises :class:`FederationError` naming the missing ones; :func:`rediscover` moves a datacenter that came
+back under a new node id; :func:`collect_replies` pulls replies as they arrive (polling every 20–250 ms, faster
+while replies come in; no fixed 3-second barrier) and polls only messages still pending.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+
+from flwr.app import ConfigRecord, Message, MessageType, RecordDict
+from flwr.serverapp import Grid
+
+from crossdc import protocol
+from crossdc.db.runlog import RunLog
+from crossdc.experiment.config import ExperimentConfig
+from crossdc.protocol import CONFIG_KEY
+
+POLL_INTERVAL_S = 0.02
+MAX_POLL_INTERVAL_S = 0.25
+DISCOVERY_TIMEOUT_S = 180.0
+#: how long a round waits for a newly seen SuperNode (a restarted datacenter) to say who it is
+REDISCOVERY_TIMEOUT_S = 60.0
+
+
+class FederationError(RuntimeError):
+    """The federation cannot go on (missing datacenters, too few replies)."""
+
+
+@dataclass
+class Reply:
+    """A datacenter's reply and when it was pulled (wall-clock, for durations only)."""
+
+    message: Message
+    received_at: float
+
+
+def pull_replies(grid: Grid, pending: set[str]) -> dict[str, Reply]:
+    """One poll: the replies to the `pending` message ids that are in now, by message id (removed from `pending`)."""
+    replies: dict[str, Reply] = {}
+    if not pending:
+        return replies
+    for message in grid.pull_messages(list(pending)):
+        reply_to = message.metadata.reply_to_message_id
+        if reply_to in pending:
+            pending.discard(reply_to)
+            replies[reply_to] = Reply(message, time.time())
+    return replies
+
+
+def collect_replies(grid: Grid, message_ids: list[str], timeout_s: float) -> dict[str, Reply]:
+    """Pull replies as they arrive until all are in or the timeout passes; returns what came, by message id."""
+    pending = set(message_ids)
+    replies: dict[str, Reply] = {}
+    deadline = time.monotonic() + timeout_s
+    interval = POLL_INTERVAL_S
+    while pending and time.monotonic() < deadline:
+        arrived = pull_replies(grid, pending)
+        replies.update(arrived)
+        # poll fast while replies come in, back off (to MAX_POLL_INTERVAL_S) while nothing does
+        interval = POLL_INTERVAL_S if arrived else min(MAX_POLL_INTERVAL_S, interval * 1.5)
+        if pending:
+            time.sleep(interval)
+    return replies
+
+
+def hello_content(config: ExperimentConfig, run_id: str) -> RecordDict:
+    """The hello query: the datacenters' names, the run id and the experiment's config (a production node
+    prepares the run's trainer from it; see crossdc.clients.node)."""
+    return RecordDict({CONFIG_KEY: ConfigRecord({protocol.HELLO_DATACENTERS: ",".join(config.datacenter_names),
+                                                 protocol.RUN_ID: run_id, protocol.RUN_CONFIG: config.to_json()})})
+
+
+def _claimed_name(reply: Reply) -> str | None:
+    """The datacenter a hello reply says its node is; None for an error reply or one without a name."""
+    try:
+        return str(reply.message.content[CONFIG_KEY][protocol.DATACENTER])
+    except Exception:
+        return None
+
+
+def discover_datacenters(grid: Grid, config: ExperimentConfig, runlog: RunLog, run_id: str) -> dict[str, int]:
+    """Map every configured datacenter to its SuperNode by asking each node who it is."""
+    names = config.datacenter_names
+    deadline = time.monotonic() + DISCOVERY_TIMEOUT_S
+    node_ids: list[int] = []
+    while time.monotonic() < deadline:
+        node_ids = list(grid.get_node_ids())
+        if len(node_ids) >= len(names):
+            break
+        time.sleep(0.2)
+    if len(node_ids) < len(names):
+        raise FederationError(f"only {len(node_ids)} of {len(names)} datacenters connected within {DISCOVERY_TIMEOUT_S:.0f}s")
+    content = hello_content(config, run_id)
+    messages = [Message(content, dst_node_id=node, message_type=MessageType.QUERY) for node in node_ids]
+    ids = list(grid.push_messages(messages))
+    replies = collect_replies(grid, ids, DISCOVERY_TIMEOUT_S)
+    mapping: dict[str, int] = {}
+    for reply in replies.values():
+        name = _claimed_name(reply)
+        if name is None:  # that node stays unknown
+            continue
+        if name in mapping:
+            raise FederationError(f"two SuperNodes claim to be datacenter '{name}'")
+        if name not in names:
+            runlog.log_event(run_id=run_id, kind="unknown-datacenter", detail=f"node {reply.message.metadata.src_node_id} says it is '{name}'")
+            continue
+        mapping[name] = reply.message.metadata.src_node_id
+    missing = [n for n in names if n not in mapping]
+    if missing:
+        raise FederationError(f"datacenters did not answer: {', '.join(missing)}")
+    return mapping
+
+
+def rediscover(grid: Grid, nodes: dict[str, int], seen: set[int], config: ExperimentConfig, runlog: RunLog, run_id: str,
+               server_round: int, timeout_s: float = REDISCOVERY_TIMEOUT_S) -> list[str]:
+    """A SuperNode that restarts registers under a new node id: ask every node not seen before who it is, and
+    move its datacenter to the new id (in `nodes`, in place), with a ``datacenter-rejoined`` event. `seen` holds
+    the node ids already placed (current, replaced, or not a configured datacenter); it grows here. Returns the
+    datacenters that moved. Costs one call to the SuperLink when nothing changed."""
+    new_ids = [node for node in grid.get_node_ids() if node not in seen and node not in nodes.values()]
+    if not new_ids:
+        return []
+    content = hello_content(config, run_id)
+    ids = list(grid.push_messages([Message(content, dst_node_id=node, message_type=MessageType.QUERY, ttl=timeout_s)
+                                   for node in new_ids]))
+    moved: list[str] = []
+    for reply in collect_replies(grid, ids, timeout_s).values():
+        node = reply.message.metadata.src_node_id
+        name = _claimed_name(reply)
+        if name is None:  # an error reply: ask again next time
+            continue
+        seen.add(node)
+        if name not in nodes:
+            runlog.log_event(run_id=run_id, kind="unknown-datacenter", round=server_round, detail=f"node {node} says it is '{name}'")
+            continue
+        runlog.log_event(run_id=run_id, kind="datacenter-rejoined", round=server_round, datacenter=name,
+                         detail={"old_node_id": str(nodes[name]), "new_node_id": str(node)})
+        seen.add(nodes[name])
+        nodes[name] = node
+        moved.append(name)
+    return moved

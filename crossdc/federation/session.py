@@ -1,0 +1,242 @@
+"""One run's coordinator state and every step the round loops share (written once).
+
+The synchronous loop (:mod:`crossdc.federation.sync_loop`), the asynchronous loop
+(:mod:`crossdc.federation.async_loop`) and the in-process driver (:mod:`crossdc.testing.inprocess`) each hold
+only what differs between them; everything else is a :class:`RoundSession` method:
+
+- **the run's pieces**: workload, strategy, global weights, the downlink sender, the gate's rules;
+- **building a train message** (:meth:`RoundSession.train_message`): the global model (dense, or through the
+  downlink codecs), the strategy's tensor groups and config, crossdc's own config keys
+  (:func:`crossdc.protocol.train_config`);
+- **judging a reply** at the update gate (:meth:`RoundSession.judge`, :meth:`RoundSession.judge_content`) and the
+  round's norm-outlier check (:meth:`RoundSession.reject_outliers`);
+- **the server step** (:meth:`RoundSession.aggregate`): the round's aggregate of the accepted updates computed
+  once, handed to the strategy, and each update's ``update_cosine`` against it (:func:`update_cosines`);
+- **recording**: a reply's outcome (the datacenter seen, an event for what went wrong, a trainer restart), a
+  datacenter-round record finished with its link measurements, a round's row, the DB-outage dump of the
+  weights, the run summary.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+import numpy as np
+import torch
+from flwr.app import ConfigRecord, RecordDict
+
+from crossdc.compression.downlink import DownlinkSender
+from crossdc.db.errors import DatabaseUnavailable
+from crossdc.db.records import DatacenterRoundRecord
+from crossdc.db.runlog import RunLog
+from crossdc.experiment.builders import build_strategy, build_workload, initial_model
+from crossdc.experiment.config import ExperimentConfig
+from crossdc.experiment.rundir import RunDir
+from crossdc.federation.grid_io import Reply
+from crossdc.federation.update_gate import GateRules, Judged, judge_content, judge_reply, update_norm_outliers, update_size_limit
+from crossdc.protocol import CONFIG_KEY, encode_tensors, raw_fp32_bytes
+from crossdc.strategies.aggregation import cosine
+from crossdc.strategies.base import Arrays, ClientUpdate, Strategy
+from crossdc.wan.link_relay import LedgerReader, bytes_by_direction, payload_transfers, time_in_flight
+from crossdc.workloads import Workload, evaluate, load_model_weights, model_weights
+
+log = logging.getLogger("crossdc.federation")
+
+
+def update_cosines(updates: Sequence[ClientUpdate], aggregate: Arrays) -> dict[str, float]:
+    """``update_cosine`` of each update a server step combined: the cosine between the datacenter's update Δy and
+    the step's aggregate of all of them (:meth:`Strategy.mean_update`). Empty when the step combined a single
+    update (a cosine with itself says nothing)."""
+    if len(updates) < 2:
+        return {}
+    return {update.datacenter: cosine(update.delta, aggregate) for update in updates}
+
+
+def link_measurements(link: LedgerReader, start: float, end: float) -> dict[str, Any]:
+    """What the datacenter's link carried for the round's messages during [start, end]: comm_s (seconds
+    the link was busy with them), how that was obtained, and their bytes in each direction (protocol
+    framing included; idle polls and heartbeats left out, see link_relay.payload_transfers)."""
+    if not link.path.exists():
+        return {"comm_s": None, "comm_source": "not measured (no link relay: simulation or external SuperNode)"}
+    transfers = payload_transfers(link.window(start, end))
+    moved = bytes_by_direction(transfers)
+    return {"comm_s": time_in_flight(transfers), "comm_source": "relay",
+            "link_bytes_up": moved["up"], "link_bytes_down": moved["down"]}
+
+
+class RoundSession:
+    """The coordinator side of one run (see the module docstring).
+
+    `runlog` and `run_dir` are None for the in-process driver (nothing is logged, no link is measured)."""
+
+    def __init__(self, config: ExperimentConfig, run_id: str, runlog: RunLog | None = None,
+                 run_dir: RunDir | None = None, *, workload: Workload | None = None, strategy: Strategy | None = None,
+                 initial_weights: Mapping[str, np.ndarray] | None = None) -> None:
+        self.config, self.run_id, self.runlog, self.run_dir = config, run_id, runlog, run_dir
+        self.workload = workload if workload is not None else build_workload(config)
+        self.strategy = strategy if strategy is not None else build_strategy(config)
+        self.model: torch.nn.Module = initial_model(config, self.workload)
+        self.weights: dict[str, np.ndarray] = (
+            model_weights(self.model) if initial_weights is None
+            else {k: np.asarray(v, np.float32).copy() for k, v in initial_weights.items()})
+        codecs = config.compression
+        self.downlink = DownlinkSender(codecs.downlink_codecs, seed=config.run.seed) if codecs.downlink_codecs else None
+        self.rules = GateRules(batch_size=config.workload.batch_size, reply_groups=tuple(self.strategy.reply_groups),
+                               compressed=bool(codecs.codecs),
+                               max_bytes=update_size_limit(raw_fp32_bytes(self.weights), len(self.strategy.reply_groups),
+                                                           config.security.max_update_mb))
+        self.regions = {dc.name: dc.region for dc in config.datacenters}
+        self.links = {name: LedgerReader(run_dir.link_ledger(name)) for name in config.datacenter_names} if run_dir else {}
+        #: per datacenter, the worker groups that served it in order (a new entry only when the group changed)
+        self.worker_pids: dict[str, list[list[int]]] = {name: [] for name in config.datacenter_names}
+        self.totals = {"bytes_up": 0, "bytes_down": 0}
+        self.val_loss = self.val_accuracy = float("nan")
+        self._records: tuple[int, dict[str, Any]] | None = None  # (model version, its encoded records)
+
+    # ------------------------------------------------------------------ messages
+    def prepare_model(self, version: int, server_round: int) -> None:
+        """Encode the global model of `version` for the train messages of `server_round` (once per version): the
+        dense weights (or the downlink's next reference) and the strategy's tensor groups."""
+        if self._records is not None and self._records[0] == version:
+            return
+        records: dict[str, Any] = encode_tensors(self.weights) if self.downlink is None else {}
+        for group, arrays in self.strategy.client_arrays(server_round, self.weights).items():
+            records.update(encode_tensors(arrays, group))
+        if self.downlink is not None:
+            self.downlink.prepare(self.weights, server_round)
+        self._records = (version, records)
+
+    def train_message(self, datacenter: str, server_round: int, task: Mapping[str, Any]) -> tuple[RecordDict, int | None]:
+        """The content of `datacenter`'s train message (after :meth:`prepare_model`): the model, the strategy's
+        groups and config, and `task` (crossdc's config keys, :func:`crossdc.protocol.train_config`). Also the
+        downlink reference version it carries (None without downlink codecs)."""
+        if self._records is None:
+            raise RuntimeError("prepare_model must come before train_message")
+        cfg: dict[str, Any] = {**task, **self.strategy.client_config(server_round)}
+        model_records: dict[str, Any] = {}
+        downlink_version = None
+        if self.downlink is not None:
+            model_records, downlink_cfg = self.downlink.message_for(datacenter)
+            cfg.update(downlink_cfg)
+            downlink_version = self.downlink.version
+        return RecordDict({**model_records, **self._records[1], CONFIG_KEY: ConfigRecord(cfg)}), downlink_version
+
+    # ------------------------------------------------------------------ the gate
+    def judge(self, datacenter: str, reply: Reply | None, tau: int, pushed_at: float, timeout_reason: str) -> Judged:
+        """One Flower reply (None: none came) through the update gate."""
+        return judge_reply(reply, datacenter, self.weights, tau, pushed_at, timeout_reason, self.rules)
+
+    def judge_content(self, datacenter: str, content: RecordDict, tau: int, round_s: float) -> Judged:
+        """One reply's content through the update gate (the in-process driver's replies)."""
+        return judge_content(content, datacenter, self.weights, tau, round_s, self.rules)
+
+    def reject_outliers(self, judged: dict[str, Judged]) -> None:
+        """The round's norm-outlier check (``security.norm_rejection_factor``) over its accepted updates, in place."""
+        deltas = {name: j.update.delta for name, j in judged.items() if j.update is not None}
+        for name, reason in update_norm_outliers(deltas, self.config.security.norm_rejection_factor).items():
+            judged[name] = judged[name].rejected(reason)
+
+    # ------------------------------------------------------------------ the server step
+    def aggregate(self, server_round: int, updates: Sequence[ClientUpdate]) -> dict[str, float]:
+        """The strategy's server step on the accepted `updates` (their aggregate computed once); the new weights
+        replace the global ones. Returns each update's ``update_cosine`` (see :func:`update_cosines`)."""
+        mean = self.strategy.mean_update(updates)
+        self.weights = self.strategy.aggregate(server_round, self.weights, updates, mean)
+        return update_cosines(updates, mean)
+
+    def evaluate(self) -> tuple[float, float, float]:
+        """(validation loss, accuracy, seconds) of the global weights on the workload's one validation set."""
+        started = time.perf_counter()
+        load_model_weights(self.model, self.weights)
+        loss, accuracy = evaluate(self.workload, self.model)
+        return loss, accuracy, time.perf_counter() - started
+
+    def evaluate_if_due(self, made: int) -> float | None:
+        """Evaluate the model of round/version `made` if ``run.eval_every`` (or the run's end) asks for it; the
+        seconds it took, else None. A non-finite loss is logged as ``diverged``."""
+        if made % self.config.run.eval_every and made != self.config.run.rounds:
+            return None
+        self.val_loss, self.val_accuracy, eval_s = self.evaluate()
+        if not np.isfinite(self.val_loss):
+            self._event("diverged", made, detail=f"validation loss {self.val_loss}")
+        return eval_s
+
+    # ------------------------------------------------------------------ recording
+    def _event(self, kind: str, at: int, datacenter: str | None = None, detail: Any = None) -> None:
+        if self.runlog is not None:
+            self.runlog.log_event(run_id=self.run_id, kind=kind, round=at, datacenter=datacenter, detail=detail)
+
+    def note_outcome(self, datacenter: str, outcome: Judged, at: int, downlink_version: int | None = None) -> None:
+        """What a judged reply tells about its datacenter, at round/version `at`: it was seen (unless it timed
+        out), an event if its reply was not ok, the downlink reference it now holds, a restart of its trainer."""
+        status = outcome.record.status
+        if status == "ok" and self.downlink is not None:
+            self.downlink.acknowledge(datacenter, downlink_version)
+        if self.runlog is not None and status != "timeout":
+            self.runlog.touch_datacenter(name=datacenter, region=self.regions[datacenter])
+        if status != "ok":
+            self._event(status, at, datacenter, outcome.record.reason)
+        if outcome.worker_pids is not None:
+            pids, history = list(outcome.worker_pids), self.worker_pids.setdefault(datacenter, [])
+            if history and history[-1] != pids:
+                self._event("trainer-restarted", at, datacenter, {"before": history[-1], "now": pids})
+            if not history or history[-1] != pids:
+                history.append(pids)
+
+    def finish_record(self, datacenter: str, outcome: Judged, pushed_at: float, **columns: Any) -> DatacenterRoundRecord:
+        """The datacenter-round record of a judged reply with `columns` set (bytes_down, staleness, ...), the
+        link's measurements over its round trip, and its overhead (round − compute − comm) when it is ok."""
+        record = outcome.record.replace(**columns)
+        link = self.links.get(datacenter)
+        if record.round_s is not None and link is not None:
+            record = record.replace(**link_measurements(link, pushed_at, pushed_at + record.round_s))
+        if record.status == "ok" and record.round_s is not None and record.compute_s is not None:
+            record = record.replace(overhead_s=record.round_s - record.compute_s - (record.comm_s or 0.0))
+        return record
+
+    def log_round(self, made: int, tau: int, records: Sequence[DatacenterRoundRecord], bytes_down: int, wall_s: float,
+                  eval_s: float | None) -> None:
+        """The ``rounds`` row of round/version `made` (its bytes: the replies' `records` up, `bytes_down` sent),
+        added to the run's totals, then a heartbeat."""
+        bytes_up = sum(int(r.bytes_up or 0) for r in records)
+        self.totals["bytes_up"] += bytes_up
+        self.totals["bytes_down"] += bytes_down
+        if self.runlog is None:
+            return
+        self.runlog.log_round(
+            run_id=self.run_id, round=made, tau=tau,
+            val_loss=self.val_loss if eval_s is not None else None,
+            val_accuracy=self.val_accuracy if eval_s is not None else None,
+            bytes_up=bytes_up, bytes_down=bytes_down, bytes_up_raw=sum(int(r.bytes_up_raw or 0) for r in records),
+            wall_s=wall_s, eval_s=eval_s,
+        )
+        self.runlog.heartbeat(run_id=self.run_id)
+
+    def check_run_log(self, label: str) -> None:
+        """Raise DatabaseUnavailable if the run log has been down too long — after saving the global weights to
+        ``weights-<label>.npz`` in the run folder, so the run stops but its model is not lost with it."""
+        if self.runlog is None:
+            return
+        try:
+            self.runlog.raise_if_failed()
+        except DatabaseUnavailable:
+            if self.run_dir is not None:
+                path = self.run_dir.path / f"weights-{label}.npz"
+                np.savez(path, **self.weights)
+                log.error("database unavailable for too long: stopping at %s; global weights saved to %s", label, path)
+            raise
+
+    def save_final_weights(self) -> None:
+        if self.run_dir is not None:
+            np.savez(self.run_dir.final_weights, **self.weights)
+
+    def summary(self, wall_s: float, **extra: Any) -> dict[str, Any]:
+        """The run's summary: its last validation, bytes both ways, wall time, worker groups, and `extra`."""
+        return {"run_id": self.run_id, "rounds": self.config.run.rounds, "val_loss": self.val_loss,
+                "val_accuracy": self.val_accuracy, "bytes_up_total": self.totals["bytes_up"],
+                "bytes_down_total": self.totals["bytes_down"], "wall_s": wall_s, **extra,
+                "worker_pids": self.worker_pids}
+
