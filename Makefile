@@ -6,7 +6,7 @@ TORCH_SPEC ?= torch==2.13.0
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.crossdc-installed
 
-.PHONY: venv demo demo-quick test test-fast bench-wan clean
+.PHONY: venv demo demo-quick lint test test-fast bench-wan clean
 
 venv: $(STAMP)
 
@@ -24,11 +24,18 @@ demo: venv
 demo-quick: venv
 	$(BIN)/crossdc demo --quick
 
-test: venv
-	$(BIN)/pytest -q --durations=20 -p no:cacheprovider
+lint: venv
+	$(BIN)/ruff check crossdc tests benchmarks
+	$(BIN)/mypy
+
+# The suite runs on PYTEST_WORKERS processes (pytest-xdist), one test file per worker at a time: most end-to-end
+# tests wait on Flower's polls and the emulated links, not on the CPU.
+PYTEST_WORKERS ?= 3
+test: venv lint
+	$(BIN)/pytest -q -n $(PYTEST_WORKERS) --dist loadfile --durations=20 -p no:cacheprovider
 
 test-fast: venv
-	$(BIN)/pytest -q -m "not deployment" -p no:cacheprovider
+	$(BIN)/pytest -q -n $(PYTEST_WORKERS) --dist loadfile -m "not deployment" -p no:cacheprovider
 
 bench-wan: venv
 	$(BIN)/python benchmarks/wan_benchmark.py

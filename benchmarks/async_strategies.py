@@ -31,12 +31,12 @@ from collections import Counter
 from pathlib import Path
 from typing import Any
 
+from results_file import write_results
+
 from crossdc.db.engine import make_engine
 from crossdc.db.queries import list_async_updates, list_datacenter_rounds, list_rounds
 from crossdc.experiment.config import parse_config
 from crossdc.orchestration.local_run import LocalRunOptions, run_local
-
-from results_file import write_results
 
 ENGINE = ("real runs on Flower's simulation engine (crossdc.orchestration.local_run, engine=simulation): real ServerApp "
           "(synchronous loop / crossdc.federation.async_loop), ClientApp and persistent trainers; no WAN links")

@@ -105,7 +105,7 @@ def main() -> None:
                           "device": args.device}, "repeat": args.repeat, "rows": rows}
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps(result, indent=2))
-    print(f"| pipeline | elements | encode MB/s | decode MB/s | copy MB/s (bound) | ratio | peak RSS / tensor |")
+    print("| pipeline | elements | encode MB/s | decode MB/s | copy MB/s (bound) | ratio | peak RSS / tensor |")
     print("| --- | ---: | ---: | ---: | ---: | ---: | ---: |")
     for row in rows:
         print(f"| {row['pipeline']} | {row['elements']:.0e} | {row['encode_mb_s']:.0f} | {row['decode_mb_s']:.0f} | "

@@ -45,7 +45,7 @@ import time
 import uuid
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
-from datetime import datetime, timedelta, timezone
+from datetime import UTC, datetime, timedelta
 from pathlib import Path
 from typing import Any
 
@@ -90,7 +90,7 @@ def fill(url: str, rounds: int, datacenters: int) -> float:
     started = time.perf_counter()
     upgrade(url)
     names = datacenter_names(datacenters)
-    now = datetime.now(timezone.utc)
+    now = datetime.now(UTC)
     engine = make_engine(url)
     try:
         with engine.begin() as conn:

@@ -25,10 +25,10 @@ import time
 from pathlib import Path
 
 from crossdc.clients.channel import call_trainer
-from crossdc.workloads import model_weights
-from crossdc.experiment.config import parse_config
 from crossdc.experiment.builders import build_workload, initial_model
+from crossdc.experiment.config import parse_config
 from crossdc.experiment.rundir import RunDir
+from crossdc.workloads import model_weights
 
 HERE = Path(__file__).resolve().parent
 

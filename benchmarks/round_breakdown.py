@@ -23,8 +23,8 @@ from typing import Any
 from crossdc.db.engine import make_engine
 from crossdc.db.queries import get_run, list_datacenter_rounds
 from crossdc.experiment.config import load_config, with_rounds
-from crossdc.orchestration.local_run import LocalRunOptions, run_local
 from crossdc.experiment.processes import free_port
+from crossdc.orchestration.local_run import LocalRunOptions, run_local
 
 HERE = Path(__file__).resolve().parent
 FIELDS = ("round_s", "compute_s", "comm_s", "overhead_s")

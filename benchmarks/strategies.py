@@ -27,12 +27,11 @@ from pathlib import Path
 from typing import Any
 
 import torch
-
-from crossdc.orchestration.baselines import run_baseline
-from crossdc.experiment.config import parse_config
-from crossdc.testing.inprocess import InProcessFederation
-
 from results_file import write_results
+
+from crossdc.experiment.config import parse_config
+from crossdc.orchestration.baselines import run_baseline
+from crossdc.testing.inprocess import InProcessFederation
 
 ENGINE = ("in-process round driving (crossdc.testing.inprocess): real LocalTrainer + run_local_round per datacenter, "
           "real Strategy.aggregate behind the update gate; no Flower transport")
@@ -77,7 +76,7 @@ def drive(doc: dict[str, Any], root: Path, stop_at_accuracy: float | None = None
             break
     return {"rounds_to_target": reached, "rounds_run": len(curve), "final_val_loss": curve[-1][0],
             "final_val_accuracy": curve[-1][1], "best_val_accuracy": max(a for _, a in curve),
-            "curve_val_accuracy": [round(a, 4) for _, a in curve], "curve_val_loss": [round(l, 4) for l, _ in curve],
+            "curve_val_accuracy": [round(a, 4) for _, a in curve], "curve_val_loss": [round(loss, 4) for loss, _ in curve],
             "wall_s": time.perf_counter() - started}
 
 
@@ -90,7 +89,8 @@ def part_a(root: Path, quick: bool) -> list[dict[str, Any]]:
                 out = drive(digits_config(strategy, tau, max_rounds, params, seed), root, stop_at_accuracy=DIGITS_TARGET)
                 rows.append({"strategy": strategy, "params": params, "tau": tau, "seed": seed, "max_rounds": max_rounds, **out})
                 print(f"  (a) seed {seed} {strategy:<9} τ={tau:<3} rounds to {DIGITS_TARGET:.0%}: "
-                      f"{out['rounds_to_target'] or f'> {max_rounds}'}  (best {out['best_val_accuracy']:.3f}, {out['wall_s']:.0f}s)", flush=True)
+                      f"{out['rounds_to_target'] or f'> {max_rounds}'}  (best {out['best_val_accuracy']:.3f}, "
+                      f"{out['wall_s']:.0f}s)", flush=True)
     return rows
 
 
@@ -140,7 +140,8 @@ def markdown(a: list[dict[str, Any]], b: list[dict[str, Any]]) -> str:
     for tau in sorted({r["tau"] for r in b}):
         f = next(r for r in b if r["tau"] == tau and r["strategy"] == "fedavg")
         d = next(r for r in b if r["tau"] == tau and r["strategy"] == "diloco")
-        lines.append(f"| {tau} × {f['rounds']} | {f['baseline_val_loss']:.3f} | {f['final_val_loss']:.3f} ({100 * f['gap_val_loss_rel']:+.1f} %) "
+        lines.append(f"| {tau} × {f['rounds']} | {f['baseline_val_loss']:.3f} | "
+                     f"{f['final_val_loss']:.3f} ({100 * f['gap_val_loss_rel']:+.1f} %) "
                      f"| {d['final_val_loss']:.3f} ({100 * d['gap_val_loss_rel']:+.1f} %) |")
     return "\n".join(lines)
 

@@ -60,17 +60,24 @@ from pathlib import Path
 from typing import Any
 
 import torch
+from results_file import write_results
 
-from crossdc.orchestration.baselines import run_baseline
 from crossdc.experiment.config import parse_config
-from crossdc.wan.cost_model import (CROSSDC_RECORDS_PER_MESSAGE, StarPlan, flower_round_trips, ring_allreduce_time,
-                                         star_round, sync_dp_step, transfer_time, uniform_datacenters)
+from crossdc.experiment.links import LINK_PROFILES, LinkSpec
+from crossdc.orchestration.baselines import run_baseline
+from crossdc.strategies.schedule import tau_for_round
 from crossdc.testing.flower_baseline import run_flower_fedavg
 from crossdc.testing.inprocess import InProcessFederation
-from crossdc.experiment.links import LINK_PROFILES, LinkSpec
-from crossdc.strategies.schedule import tau_for_round
-
-from results_file import write_results
+from crossdc.wan.cost_model import (
+    CROSSDC_RECORDS_PER_MESSAGE,
+    StarPlan,
+    flower_round_trips,
+    ring_allreduce_time,
+    star_round,
+    sync_dp_step,
+    transfer_time,
+    uniform_datacenters,
+)
 
 RESULTS = Path(__file__).resolve().parent / "results"
 DATACENTERS = ("us-east", "eu-west", "ap-south", "sa-east")
@@ -244,8 +251,8 @@ def timeline(rounds: list[dict[str, Any]], link: LinkSpec, tensors: int, records
     curve = []
     steps = 0
     for row in rounds:
-        links = [link_seconds(d, u, tensors, records, link) for d, u in zip(row["bytes_down"], row["bytes_up"])]
-        busy = [c + l for c, l in zip(row["compute_s"], links)]
+        links = [link_seconds(d, u, tensors, records, link) for d, u in zip(row["bytes_down"], row["bytes_up"], strict=False)]
+        busy = [compute + on_link for compute, on_link in zip(row["compute_s"], links, strict=False)]
         slowest = max(range(len(busy)), key=busy.__getitem__)
         wall += busy[slowest] + row["overhead_s"]
         compute += max(row["compute_s"])
@@ -397,10 +404,12 @@ def markdown(rows: list[dict[str, Any]], size_name: str, size: Size, link: LinkS
             continue
         lines.append(
             f"| {r['label']} | {r['val_loss']:.3f} | {100 * r['gap_all-workers']:+.1f} % | {100 * r['gap_sequential']:+.1f} % | "
-            f"{_bytes(r['bytes']) if r['bytes'] else '0'} | {_num(r['bytes_ratio_vs_sync'], '.0f')}{'×' if r['bytes_ratio_vs_sync'] else ''} | "
+            f"{_bytes(r['bytes']) if r['bytes'] else '0'} | "
+            f"{_num(r['bytes_ratio_vs_sync'], '.0f')}{'×' if r['bytes_ratio_vs_sync'] else ''} | "
             f"{r['wall_s']:.0f} s | {r['compute_s']:.0f} s | {_num(r['wall_over_compute'], '.2f')} | {_num(r['comm_comp_ratio'], '.2f')} | "
             f"{_num(r['overhead_share'] and 100 * r['overhead_share'], '.1f')} % | "
-            f"{_num(r['time_to_sync_loss_s'], '.0f', 'not reached')}{' s' if r['time_to_sync_loss_s'] is not None else ''} | {r['time_from']} | "
+            f"{_num(r['time_to_sync_loss_s'], '.0f', 'not reached')}{' s' if r['time_to_sync_loss_s'] is not None else ''} | "
+            f"{r['time_from']} | "
             f"{_num(r['projected_comm_comp_ratio'], '.2f')} |")
     failures = [f"- {r['key']} failed: {r['failed']}" for r in rows if r.get("failed")]
     if failures:
@@ -412,7 +421,8 @@ def chart(rows: list[dict[str, Any]], path: Path, title: str) -> None:
     import plotly.graph_objects as go
     from plotly.subplots import make_subplots
 
-    figure = make_subplots(rows=1, cols=2, subplot_titles=("validation loss vs bytes on the WAN", "validation loss vs time on the emulated link"))
+    figure = make_subplots(rows=1, cols=2, subplot_titles=("validation loss vs bytes on the "
+                                                           "WAN", "validation loss vs time on the emulated link"))
     for r in rows:
         points = r["curve"]
         name = r["label"] + (" (failed)" if r.get("failed") else "")

@@ -25,12 +25,12 @@ from typing import Any
 
 from crossdc.db.engine import make_engine
 from crossdc.db.queries import list_datacenter_rounds
-from crossdc.experiment.config import parse_config
-from crossdc.wan.cost_model import StarPlan, star_round, uniform_datacenters
 from crossdc.experiment.builders import build_workload, initial_model
+from crossdc.experiment.config import parse_config
 from crossdc.experiment.links import LINK_PROFILES
-from crossdc.orchestration.local_run import LocalRunOptions, run_local
 from crossdc.experiment.processes import free_port
+from crossdc.orchestration.local_run import LocalRunOptions, run_local
+from crossdc.wan.cost_model import StarPlan, star_round, uniform_datacenters
 
 HERE = Path(__file__).resolve().parent
 

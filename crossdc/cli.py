@@ -17,7 +17,8 @@ from typing import Any, NoReturn
 
 import typer
 
-app = typer.Typer(add_completion=False, no_args_is_help=True, pretty_exceptions_enable=False, help="crossdc: train one model across datacenters over a slow WAN.")
+app = typer.Typer(add_completion=False, no_args_is_help=True, pretty_exceptions_enable=False,
+                  help="crossdc: train one model across datacenters over a slow WAN.")
 db_app = typer.Typer(no_args_is_help=True, help="Database schema (Alembic).")
 strategies_app = typer.Typer(no_args_is_help=True, help="Registered strategies (built-in and plug-in).")
 codecs_app = typer.Typer(no_args_is_help=True, help="Registered update codecs (built-in and plug-in).")
@@ -42,18 +43,17 @@ def fail(message: str, code: int = 2) -> NoReturn:
 
 def _user_errors() -> tuple[type[BaseException], ...]:
     from crossdc.clients.channel import TrainerFailed, TrainerUnavailable
-    from crossdc.db.errors import DatabaseUnavailable
-    from crossdc.experiment.config import ConfigError
-    from crossdc.orchestration.local_run import RunFailed
-    from crossdc.experiment.processes import PortInUse
-    from crossdc.strategies.base import StrategyError
-    from crossdc.workloads import WorkloadError
-
     from crossdc.clients.enroll import EnrollmentError
     from crossdc.clients.node_runner import NodeFailed
+    from crossdc.db.errors import DatabaseUnavailable
     from crossdc.db.security import TokenError
     from crossdc.deployment.superlink_control import ControlError
     from crossdc.deployment.tls import CertificateError
+    from crossdc.experiment.config import ConfigError
+    from crossdc.experiment.processes import PortInUse
+    from crossdc.orchestration.local_run import RunFailed
+    from crossdc.strategies.base import StrategyError
+    from crossdc.workloads import WorkloadError
 
     errors: list[type[BaseException]] = [ConfigError, StrategyError, WorkloadError, PortInUse, RunFailed,
                                           DatabaseUnavailable, TrainerFailed, TrainerUnavailable, CertificateError, NodeFailed,
@@ -73,8 +73,8 @@ def _one_line(err: BaseException) -> str:
 
 def _load_and_check(config_path: Path) -> Any:
     """Parse the config and build what it names now, so a bad name fails before anything starts."""
-    from crossdc.experiment.config import load_config
     from crossdc.experiment.builders import build_strategy, build_workload
+    from crossdc.experiment.config import load_config
 
     config = load_config(config_path)
     build_strategy(config)
@@ -129,7 +129,7 @@ def _guard(func: Any) -> Any:
             raise
         except KeyboardInterrupt:
             typer.echo("crossdc: interrupted; every process it started was stopped", err=True)
-            raise typer.Exit(130)
+            raise typer.Exit(130) from None
         except _user_errors() as err:
             fail(_one_line(err))
         except Exception as err:  # an internal error: one line here, the traceback on request
@@ -146,12 +146,18 @@ def run(
     config_path: Path = typer.Argument(..., metavar="CONFIG.toml", help="Experiment config (see examples/)."),
     db: str | None = DB_OPTION,
     as_json: bool = typer.Option(False, "--json", help="Print the run's summary as a JSON object on the last line."),
-    baseline: str | None = typer.Option(None, "--baseline", help="Instead of the federation, run a single-datacenter baseline: all-workers or sequential."),
-    superlink: str | None = typer.Option(None, "--superlink", help="HOST:PORT of a standing federation's SuperLink (its private Control API): submit there; Ctrl-C detaches."),
-    superlink_ca: Path | None = typer.Option(None, "--superlink-ca", help="With --superlink: the CA of the SuperLink's certificate (when it serves TLS)."),
-    detach: bool = typer.Option(False, "--detach", help="With --superlink: print the run id and return; follow later with `crossdc runs follow`."),
+    baseline: str | None = typer.Option(None, "--baseline",
+                                        help="Instead of the federation, run a single-datacenter baseline: all-workers or sequential."),
+    superlink: str | None = typer.Option(None, "--superlink",
+                                         help="HOST:PORT of a standing federation's SuperLink (its private Control API): submit there; "
+                                              "Ctrl-C detaches."),
+    superlink_ca: Path | None = typer.Option(None, "--superlink-ca",
+                                             help="With --superlink: the CA of the SuperLink's certificate (when it serves TLS)."),
+    detach: bool = typer.Option(False, "--detach",
+                                help="With --superlink: print the run id and return; follow later with `crossdc runs follow`."),
     port: int = typer.Option(8000, "--port", min=1, max=65535, help="Port of the local SuperLink."),
-    engine: str = typer.Option("deployment", "--engine", help="deployment (SuperLink + SuperNodes) or simulation (Flower's in-process engine)."),
+    engine: str = typer.Option("deployment", "--engine",
+                               help="deployment (SuperLink + SuperNodes) or simulation (Flower's in-process engine)."),
     runs_dir: Path = typer.Option(Path("runs"), "--runs-dir", help="Where run folders (logs, trainer state) go."),
 ) -> None:
     """Run one experiment locally; prints the run id."""
@@ -174,12 +180,14 @@ def run(
         upgrade(db_url)
         run_id = uuid.uuid4().hex
         typer.echo(f"run {run_id}: {baseline} baseline of {config.run.name}", err=True)
-        summary = run_baseline(config, baseline, db_url, run_id, progress=None if as_json else (lambda rows: _print_round(rows, config.run.rounds)))
+        summary = run_baseline(config, baseline, db_url, run_id,
+                               progress=None if as_json else (lambda rows: _print_round(rows, config.run.rounds)))
     else:
         summary = _run_experiment(config, db_url, engine, port, runs_dir, quiet=as_json, superlink=superlink, detach=detach,
                                   superlink_ca=superlink_ca)
         if summary.get("detached"):
-            typer.echo(f"run {summary['run_id']} submitted to {superlink}; follow it with: crossdc runs follow {summary['run_id']}", err=True)
+            typer.echo(f"run {summary['run_id']} submitted to {superlink}; follow it with: crossdc runs follow "
+                       f"{summary['run_id']}", err=True)
             typer.echo(json.dumps(_jsonable(summary)) if as_json else summary["run_id"])
             return
         typer.echo(f"run {summary['run_id']} finished", err=True)
@@ -248,8 +256,8 @@ def resume(
     from crossdc.db.engine import make_engine, resolve_database_url, safe_url, upgrade
     from crossdc.db.queries import get_run
     from crossdc.experiment.config import parse_config
-    from crossdc.orchestration.local_run import coordinator_alive
     from crossdc.experiment.rundir import RunDir
+    from crossdc.orchestration.local_run import coordinator_alive
 
     if engine not in ("deployment", "simulation"):
         fail(f"unknown engine '{engine}'; known: deployment, simulation")
@@ -291,8 +299,11 @@ def serve(
     certfile: Path | None = typer.Option(None, "--certfile", help="Serve HTTPS with this certificate (e.g. from `crossdc certs`)."),
     keyfile: Path | None = typer.Option(None, "--keyfile", help="The certificate's private key."),
     lock_reads: bool = typer.Option(False, "--lock-reads", help="Reads need a token too (any role); default: open reads."),
-    superlink_control: str | None = typer.Option(None, "--superlink-control", help="HOST:PORT of the SuperLink's private address: enrollments register datacenter keys there."),
-    superlink_ca: Path | None = typer.Option(None, "--superlink-ca", help="CA of the SuperLink's certificate (it serves TLS when SuperNodes authenticate)."),
+    superlink_control: str | None = typer.Option(None, "--superlink-control",
+                                                 help="HOST:PORT of the SuperLink's private address: enrollments register datacenter "
+                                                      "keys there."),
+    superlink_ca: Path | None = typer.Option(None, "--superlink-ca",
+                                             help="CA of the SuperLink's certificate (it serves TLS when SuperNodes authenticate)."),
 ) -> None:
     """The JSON API (/api, OpenAPI at /docs), Prometheus /metrics and the dashboard over the run log; enrollment and
     admin endpoints need a token (`crossdc admin create-token`)."""
@@ -300,8 +311,8 @@ def serve(
 
     from crossdc.dashboard.app import create_app
     from crossdc.db.engine import absolute_database_url, resolve_database_url, safe_url
-    from crossdc.experiment.processes import ensure_port_free
     from crossdc.deployment.superlink_control import SuperLinkControl
+    from crossdc.experiment.processes import ensure_port_free
 
     if (certfile is None) != (keyfile is None):
         fail("give both --certfile and --keyfile, or neither")
@@ -375,9 +386,11 @@ def plan(
     rtt_ms: float | None = typer.Option(None, "--rtt-ms", help="Link round-trip time (ms); overrides the profile's."),
     compression: float = typer.Option(1.0, "--compression", help="Uplink compression ratio (raw fp32 bytes / bytes sent)."),
     downlink_compression: float = typer.Option(1.0, "--downlink-compression", help="Downlink compression ratio."),
-    round_trips: int | None = typer.Option(None, "--round-trips", help="Protocol round trips per round (default: Flower 1.42's count for these payloads)."),
+    round_trips: int | None = typer.Option(None, "--round-trips",
+                                           help="Protocol round trips per round (default: Flower 1.42's count for these payloads)."),
     tensors: int = typer.Option(1, "--tensors", help="Tensors per payload (only to count Flower's objects; 1 = fewest)."),
-    coordinator_bandwidth_mbps: float | None = typer.Option(None, "--coordinator-bandwidth-mbps", help="The coordinator's link, shared by the N transfers of each direction."),
+    coordinator_bandwidth_mbps: float | None = typer.Option(None, "--coordinator-bandwidth-mbps",
+                                                            help="The coordinator's link, shared by the N transfers of each direction."),
     target_ratio: float = typer.Option(0.1, "--target-ratio", help="Comm/comp ratio to reach."),
     as_json: bool = typer.Option(False, "--json", help="Print one JSON object."),
 ) -> None:
@@ -465,7 +478,8 @@ def front(
     certfile: Path | None = typer.Option(None, "--certfile", help="TLS certificate (e.g. from `crossdc certs`)."),
     keyfile: Path | None = typer.Option(None, "--keyfile", help="Its private key."),
     insecure: bool = typer.Option(False, "--insecure", help="Serve plain HTTP (loopback tests only)."),
-    superlink_ca: Path | None = typer.Option(None, "--superlink-ca", help="The SuperLink serves TLS signed by this CA (needed with SuperNode authentication)."),
+    superlink_ca: Path | None = typer.Option(None, "--superlink-ca",
+                                             help="The SuperLink serves TLS signed by this CA (needed with SuperNode authentication)."),
 ) -> None:
     """Serve the Fleet API of a private SuperLink to datacenters, refusing everything else (Control API included)."""
     import uvicorn
@@ -503,11 +517,15 @@ def runs_follow(run_id: str, db: str | None = DB_OPTION) -> None:
 def node_start(
     superlink: str = typer.Option(..., "--superlink", help="HOST:PORT the datacenter reaches the federation at (the Fleet API front)."),
     datacenter: str = typer.Option(..., "--datacenter", help="This datacenter's name, as in the experiment configs."),
-    state_dir: Path = typer.Option(Path("crossdc-node"), "--state-dir", help="Durable state: trainers' state stores, logs, the node's key."),
-    root_certificates: Path | None = typer.Option(None, "--root-certificates", help="CA the front's certificate is signed by (`crossdc certs`' ca.pem)."),
+    state_dir: Path = typer.Option(Path("crossdc-node"), "--state-dir",
+                                   help="Durable state: trainers' state stores, logs, the node's key."),
+    root_certificates: Path | None = typer.Option(None, "--root-certificates",
+                                                  help="CA the front's certificate is signed by (`crossdc certs`' ca.pem)."),
     insecure: bool = typer.Option(False, "--insecure", help="Plain HTTP to the SuperLink (loopback tests only)."),
     max_runs: int = typer.Option(2, "--max-runs", min=1, help="Trainers kept alive at once (least recently used stopped)."),
-    auth_key: Path | None = typer.Option(None, "--auth-key", help="The SuperNode's enrolled private key (default: STATE_DIR/node-key when `crossdc enroll` made one)."),
+    auth_key: Path | None = typer.Option(None, "--auth-key",
+                                         help="The SuperNode's enrolled private key (default: STATE_DIR/node-key when `crossdc enroll` "
+                                              "made one)."),
 ) -> None:
     """Run this datacenter's side of a standing federation: its SuperNode and the node service that gives every
     run a persistent local trainer (all local GPUs). Ctrl-C stops both."""
@@ -541,12 +559,16 @@ def enroll(
     rtt_ms: float | None = typer.Option(None, "--rtt-ms", min=0, help="WAN round-trip time, if known."),
     state_dir: Path = typer.Option(Path("crossdc-node"), "--state-dir", help="The node's state folder; the key pair is made here."),
     ca_cert: Path | None = typer.Option(None, "--ca-cert", help="CA of the service's certificate (`crossdc certs`' ca.pem)."),
-    new_key: bool = typer.Option(False, "--new-key", help="Make a new key pair first (to enroll again after a suspension); the old one is kept aside."),
-    token_env: str = typer.Option("CROSSDC_ENROLLMENT_TOKEN", "--token-env", help="Environment variable holding the enrollment token (never a command-line argument: those are visible to every user)."),
+    new_key: bool = typer.Option(False, "--new-key",
+                                 help="Make a new key pair first (to enroll again after a suspension); the old one is kept aside."),
+    token_env: str = typer.Option("CROSSDC_ENROLLMENT_TOKEN", "--token-env",
+                                  help="Environment variable holding the enrollment token (never a command-line argument: those are "
+                                       "visible to every user)."),
 ) -> None:
     """Enroll this datacenter: make its SuperNode key pair (the private key stays here, mode 0600) and register the
     public key with the federation using the operator's enrollment token. Then: crossdc node start."""
-    from crossdc.clients.enroll import PRIVATE_KEY_FILE, enroll as enroll_datacenter
+    from crossdc.clients.enroll import PRIVATE_KEY_FILE
+    from crossdc.clients.enroll import enroll as enroll_datacenter
 
     token = os.environ.get(token_env, "").strip()
     if not token:

@@ -9,7 +9,7 @@ from __future__ import annotations
 import math
 from collections.abc import Mapping
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, cast
 
 
 class ParameterError(ValueError):
@@ -40,9 +40,9 @@ class Parameter:
             raise ParameterError(f"{where} must be {self.kind.__name__}, got {type(value).__name__} {value!r}")
         if isinstance(value, float) and not math.isfinite(value):
             raise ParameterError(f"{where} must be a finite number, got {value!r}")
-        if self.low is not None and value < self.low:
+        if self.low is not None and cast(float, value) < self.low:
             raise ParameterError(f"{where} must be ≥ {self.low:g}, got {value!r}")
-        if self.high is not None and value > self.high:
+        if self.high is not None and cast(float, value) > self.high:
             raise ParameterError(f"{where} must be ≤ {self.high:g}, got {value!r}")
         if self.choices is not None and value not in self.choices:
             raise ParameterError(f"{where} must be one of {', '.join(self.choices)}, got {value!r}")

@@ -16,7 +16,7 @@ from __future__ import annotations
 import warnings
 from collections.abc import Callable
 from importlib.metadata import entry_points
-from typing import Generic, TypeVar
+from typing import Generic, TypeVar, cast
 
 T = TypeVar("T", bound=type)
 
@@ -37,7 +37,7 @@ class PluginRegistry(Generic[T]):
             taken = {ep.name for ep in entry_points(group=self.group)}
             if (name in taken or name in self._decorated) and self._decorated.get(name) is not cls:
                 raise self.error(f"{self.kind} name '{name}' is already registered")
-            cls.name = name
+            setattr(cls, "name", name)  # noqa: B010 (T is any class; its name is the registry's)
             self._decorated[name] = cls
             return cls
 
@@ -76,6 +76,6 @@ class PluginRegistry(Generic[T]):
             if not (isinstance(cls, type) and issubclass(cls, self.base)):
                 self._broken(f"{self.kind} plug-in '{ep.name}' ({ep.value}) is not a crossdc {self.base.__name__} subclass")
                 continue
-            found[ep.name], origin[ep.name] = cls, ep.value
+            found[ep.name], origin[ep.name] = cast(T, cls), ep.value
         found.update(self._decorated)
         return dict(sorted(found.items()))

@@ -138,13 +138,14 @@ class TrainRequest:
     resume_round: int | None = None
 
     @classmethod
-    def from_message(cls, content: RecordDict) -> "TrainRequest":
+    def from_message(cls, content: RecordDict) -> TrainRequest:
         """The request for a train message's content (its config keys read here, once)."""
-        config = content[CONFIG_KEY]
-        return cls(run_id=str(config[RUN_ID]), round=int(config[ROUND]), tau=int(config[TAU]),
-                   model=global_model(content), received=extra_groups(content), attempt=int(config.get(ATTEMPT, 1)),
-                   checkpoint_round=int(config[CHECKPOINT_ROUND]) if CHECKPOINT_ROUND in config else None,
-                   resume_round=int(config[RESUME_ROUND]) if RESUME_ROUND in config else None)
+        config = content.config_records[CONFIG_KEY]
+        return cls(run_id=str(config[RUN_ID]), round=config_int(config, ROUND), tau=config_int(config, TAU),
+                   model=global_model(content), received=extra_groups(content),
+                   attempt=config_int(config, ATTEMPT) if ATTEMPT in config else 1,
+                   checkpoint_round=config_int(config, CHECKPOINT_ROUND) if CHECKPOINT_ROUND in config else None,
+                   resume_round=config_int(config, RESUME_ROUND) if RESUME_ROUND in config else None)
 
     def to_dict(self) -> dict[str, Any]:
         """The request as sent over the trainer's local channel: ``{"op": "train", "run_id", "round", "tau",
@@ -158,7 +159,7 @@ class TrainRequest:
         return request
 
     @classmethod
-    def from_dict(cls, request: Mapping[str, Any]) -> "TrainRequest":
+    def from_dict(cls, request: Mapping[str, Any]) -> TrainRequest:
         """The request :meth:`to_dict` made; ProtocolError naming what is missing or malformed."""
         try:
             model = {key: request[key] for key in ("weights", "downlink") if key in request}
@@ -171,6 +172,25 @@ class TrainRequest:
             raise ProtocolError(f"a train request needs {err.args[0]!r}") from None
         except (TypeError, ValueError) as err:
             raise ProtocolError(f"malformed train request: {err}") from None
+
+
+def config_int(config: ConfigRecord, key: str) -> int:
+    """Config entry `key` as an int; ProtocolError naming it when it is missing or not a number."""
+    value = config.get(key)
+    if isinstance(value, bool) or not isinstance(value, (int, float, str)):
+        raise ProtocolError(f"config entry '{key}' must be a number, got {value!r}")
+    try:
+        return int(value)
+    except ValueError:
+        raise ProtocolError(f"config entry '{key}' must be a number, got {value!r}") from None
+
+
+def _array(content: RecordDict, record: str, key: str) -> Array:
+    """Array `key` of array record `record` (KeyError/TypeError when the message has none there)."""
+    value = content.array_records[record][key]
+    if not isinstance(value, Array):
+        raise TypeError(f"record '{record}' entry '{key}' is not an array")
+    return value
 
 
 def train_config(*, server_round: int, tau: int, run_id: str, run_dir: str, datacenter: str,
@@ -213,8 +233,8 @@ def decode_tensors(content: RecordDict, group: str = ARRAYS_KEY) -> dict[str, np
     """The named tensors of group `group` of a message encoded by :func:`encode_tensors`; PayloadError if the message
     does not carry that group or it does not decode (a missing group fails here, never as an empty dict)."""
     try:
-        flat = content[group][FLAT].numpy()
-        layout = json.loads(str(content[layout_key(group)]["tensors"]))
+        flat = _array(content, group, FLAT).numpy()
+        layout = json.loads(str(content.config_records[layout_key(group)]["tensors"]))
     except (KeyError, TypeError, ValueError) as err:
         what = "no tensors" if group == ARRAYS_KEY else f"no tensor group '{group}'"
         raise PayloadError(f"{what} in the message ({type(err).__name__}: {err})") from None
@@ -247,7 +267,7 @@ def encode_compressed(payload: np.ndarray, key: str = COMPRESSED_KEY) -> dict[st
 def compressed_payload(content: RecordDict, key: str = COMPRESSED_KEY) -> np.ndarray:
     """The payload bytes of a message built by :func:`encode_compressed`; PayloadError if it has none."""
     try:
-        array = content[key][PAYLOAD]
+        array = _array(content, key, PAYLOAD)
     except (KeyError, TypeError, ValueError) as err:
         raise PayloadError(f"no compressed update in the message ({type(err).__name__}: {err})") from None
     if array.stype != PAYLOAD_STYPE or array.dtype != "uint8" or list(array.shape) != [len(array.data)]:
@@ -274,13 +294,13 @@ def extra_groups(content: RecordDict) -> dict[str, dict[str, np.ndarray]]:
 def global_model(content: RecordDict) -> dict[str, Any]:
     """The request entries that carry the round's global model: ``weights`` (dense), or with downlink compression
     ``downlink`` (the full reference or a compressed delta for the trainer to apply to its stored reference)."""
-    config = content[CONFIG_KEY]
+    config = content.config_records[CONFIG_KEY]
     kind = config.get(DOWNLINK)
     if kind is None:
         return {"weights": decode_tensors(content)}
-    message: dict[str, Any] = {"kind": str(kind), "version": int(config[DOWNLINK_VERSION])}
+    message: dict[str, Any] = {"kind": str(kind), "version": config_int(config, DOWNLINK_VERSION)}
     if kind == "delta":
-        message.update(base=int(config[DOWNLINK_BASE]), payload=compressed_payload(content, DOWNLINK_KEY))
+        message.update(base=config_int(config, DOWNLINK_BASE), payload=compressed_payload(content, DOWNLINK_KEY))
     else:
         message["weights"] = decode_tensors(content)
     return {"downlink": message}

@@ -16,8 +16,8 @@ import pytest
 from sqlalchemy.engine import make_url
 
 from crossdc.db.engine import make_engine, upgrade
-from crossdc.experiment.processes import is_running
 from crossdc.db.queries import get_run, list_datacenter_rounds, list_events, list_rounds
+from crossdc.experiment.processes import is_running
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from tcp_relay import TcpRelay  # noqa: E402
@@ -197,8 +197,8 @@ def _via(url: str, relay: TcpRelay) -> str:
 def authenticating_superlink(directory: Path) -> Iterator[tuple[str, Any]]:
     """A real flower-superlink with SuperNode authentication (so TLS, with `crossdc certs` certificates) on a free
     loopback port; yields its address and the certificate paths, and stops it afterwards."""
-    from crossdc.experiment.processes import ProcessGroup, flower_env, free_port, wait_for_port
     from crossdc.deployment.tls import make_certificates
+    from crossdc.experiment.processes import ProcessGroup, flower_env, free_port, wait_for_port
 
     certs = make_certificates(directory / "certs", ["127.0.0.1", "localhost"])
     port = free_port()

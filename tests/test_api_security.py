@@ -12,19 +12,18 @@ from typing import Any
 
 import httpx
 import pytest
+from conftest import CROSSDC, authenticating_superlink
 from sqlalchemy import select
 
-from conftest import CROSSDC, authenticating_superlink
 from crossdc.clients.enroll import EnrollmentError, enroll, node_key
 from crossdc.dashboard.app import create_app
 from crossdc.db.engine import make_engine, upgrade
 from crossdc.db.models import API_TOKENS
 from crossdc.db.runlog import RunLog
-from crossdc.db.security import (TokenError, audit_entries, create_token, generate_token, hash_token, revoke_token,
-                                 role_allows)
+from crossdc.db.security import TokenError, audit_entries, create_token, generate_token, hash_token, revoke_token, role_allows
 from crossdc.deployment.background_server import BackgroundServer, start_background, uvicorn_config
-from crossdc.experiment.processes import free_port
 from crossdc.deployment.superlink_control import PublicKeyError, SuperLinkControl, check_public_key
+from crossdc.experiment.processes import free_port
 
 
 @dataclass

@@ -3,7 +3,7 @@
 
 from __future__ import annotations
 
-from datetime import datetime, timezone
+from datetime import UTC, datetime
 
 import pytest
 
@@ -42,7 +42,7 @@ def test_run_page_reads_the_async_updates_thinned_in_sql(migrated_sqlite_url: st
                                  status=status, bytes_up=100)
         log.flush(timeout=30)
     engine = make_engine(migrated_sqlite_url)
-    now = datetime.now(timezone.utc)
+    now = datetime.now(UTC)
     try:
         with engine.connect() as conn:
             data = page_data.load_run_page(conn, "async-run", now)

@@ -18,15 +18,14 @@ from typing import Any
 
 import numpy as np
 import pytest
-
 from conftest import read_run
-from crossdc.workloads import model_weights
+
 from crossdc.db.engine import make_engine
 from crossdc.db.queries import list_async_updates
-from crossdc.experiment.config import load_config, parse_config
 from crossdc.experiment.builders import build_workload, initial_model
+from crossdc.experiment.config import load_config, parse_config
 from crossdc.orchestration.local_run import LocalRunOptions, LocalRunResult, run_local
-from crossdc.workloads import evaluate
+from crossdc.workloads import evaluate, model_weights
 
 CONFIG = Path(__file__).resolve().parents[1] / "examples" / "synthetic-2dc.toml"
 MAX_STALENESS = 4

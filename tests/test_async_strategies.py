@@ -11,19 +11,18 @@ from typing import Any
 
 import numpy as np
 import pytest
+from conftest import CROSSDC
 
 from crossdc.clients import local_training
 from crossdc.db.records import DatacenterRoundRecord as Record
-from crossdc.federation.async_loop import merge_rows
-from crossdc.experiment.config import ConfigError, parse_config
 from crossdc.experiment.builders import build_strategy, build_workload
+from crossdc.experiment.config import ConfigError, parse_config
+from crossdc.federation.async_loop import merge_rows
 from crossdc.strategies import staleness as st
 from crossdc.strategies.base import ClientUpdate, RunInfo, StrategyError
 from crossdc.strategies.fedasync import FedAsync, fedasync_step
 from crossdc.strategies.fedbuff import FedBuff, fedbuff_step
 from crossdc.strategies.registry import describe_strategies, strategy_class
-
-from conftest import CROSSDC
 
 RUN = RunInfo(datacenters=("a", "b", "c"), optimizer="adamw", lr=0.01)
 
@@ -57,7 +56,7 @@ def test_staleness_functions_start_at_lr_and_never_increase() -> None:
     for kind in st.STALENESS_FUNCTIONS:
         values = [st.staleness_scale(kind, s, 0.5, exponent=0.7, hinge_after=3) for s in range(50)]
         assert values[0] == 0.5
-        assert all(later <= earlier for earlier, later in zip(values, values[1:]))
+        assert all(later <= earlier for earlier, later in zip(values, values[1:], strict=False))
     assert st.staleness_scale("inverse", 4) == 0.2
     assert st.staleness_scale("hinge", 4, 1.0, hinge_after=4) == 1.0
     assert st.staleness_scale("hinge", 5, 1.0, hinge_after=4) == 0.5

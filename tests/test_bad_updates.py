@@ -14,15 +14,15 @@ from typing import Any
 
 import numpy as np
 import pytest
+from conftest import client_app_altering_replies, read_run
 from flwr.app import Message
 from flwr.clientapp import ClientApp
 
 from crossdc.clients import client_app as real
-from crossdc.protocol import decode_tensors, encode_tensors
-from conftest import client_app_altering_replies, read_run
 from crossdc.experiment.config import ExperimentConfig, load_config, parse_config
-from crossdc.testing.inprocess import InProcessFederation
 from crossdc.orchestration.local_run import LocalRunOptions, run_local
+from crossdc.protocol import decode_tensors, encode_tensors
+from crossdc.testing.inprocess import InProcessFederation
 
 CONFIG = Path(__file__).resolve().parents[1] / "examples" / "synthetic-2dc.toml"
 BAD_DATACENTER = "eu-west"

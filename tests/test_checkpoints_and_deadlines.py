@@ -7,8 +7,8 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from crossdc.federation.checkpoints import CheckpointError, CheckpointStore
 from crossdc.experiment.config import DeadlinePolicy
+from crossdc.federation.checkpoints import CheckpointError, CheckpointStore
 from crossdc.federation.deadline import datacenter_deadline, round_deadline
 
 

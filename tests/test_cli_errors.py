@@ -16,7 +16,6 @@ from pathlib import Path
 
 import pytest
 import sqlalchemy as sa
-
 from conftest import CROSSDC  # tests/ is on sys.path
 
 REPO = Path(__file__).resolve().parents[1]
@@ -181,7 +180,7 @@ def bad_runs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Result]:
         return cli(args, folder)
 
     with ThreadPoolExecutor(max_workers=4) as pool:
-        return dict(zip(CASES, pool.map(one, CASES)))
+        return dict(zip(CASES, pool.map(one, CASES), strict=False))
 
 
 @pytest.mark.timeout(300)

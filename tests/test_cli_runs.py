@@ -9,8 +9,8 @@ from pathlib import Path
 
 import httpx
 import pytest
-
 from conftest import CROSSDC, interruptible  # noqa: E402
+
 from crossdc.db.engine import make_engine
 from crossdc.db.queries import list_datacenter_rounds, list_rounds, list_runs
 from crossdc.experiment.processes import free_port
@@ -85,6 +85,14 @@ def test_demo_quick_smoke(tmp_path: Path) -> None:
     assert "Traceback" not in stderr
     for text in ("4 datacenters", "all workers", "sequential", "gap", "communication", "overhead", f"dashboard: {base}/"):
         assert text in stderr, text
+    # not a terminal: one plain line per round as it ends (rich's bars would show nothing until the end)
+    lines = stderr.splitlines()
+    for label in ("federation", "all-workers baseline", "sequential baseline"):
+        rounds = [line for line in lines if line.startswith(f"{label} round ")]
+        assert [line.split(":")[0] for line in rounds] == [f"{label} round 1/2", f"{label} round 2/2"], lines
+        assert all("val_loss=" in line and line.endswith("s") for line in rounds), rounds
+    assert lines.index(next(line for line in lines if line.startswith("federation round 2/2"))) < \
+        lines.index(next(line for line in lines if line.startswith("gap =")))  # before the table, not with it
     engine = make_engine(f"sqlite:///{tmp_path / 'crossdc.db'}")  # the default database, in the working folder
     try:
         runs = list_runs(engine)
@@ -95,3 +103,30 @@ def test_demo_quick_smoke(tmp_path: Path) -> None:
         assert all(r["status"] == "ok" and r["comm_source"] == "relay" for r in dc_rounds)
     finally:
         engine.dispose()
+
+
+def test_demo_progress_off_a_terminal_prints_one_line_per_round() -> None:
+    """On a pipe or a log file: a line when a run starts (with a status) and one per round, even when several rounds
+    are reported at once; no progress bar."""
+    import io
+
+    from rich.console import Console
+
+    from crossdc.orchestration.demo import RoundProgress
+
+    out = io.StringIO()
+    rows = [{"round": 1, "tau": 2, "val_loss": 0.69314, "val_accuracy": 0.5123, "wall_s": 3.44},
+            {"round": 2, "tau": 5, "val_loss": None, "val_accuracy": None, "wall_s": 1.26},
+            {"round": 3, "tau": 8, "val_loss": 0.5, "val_accuracy": 0.75, "wall_s": None}]
+    with RoundProgress(Console(file=out, width=150)) as progress:
+        on_round = progress.track("federation", 3, status="starting trainers and Flower…")
+        on_round(rows[:2])  # two rounds ended between two looks at the run log
+        on_round(rows[:2])  # nothing new
+        on_round(rows)
+        progress.done("federation")
+    assert out.getvalue().splitlines() == [
+        "federation: starting trainers and Flower…",
+        "federation round 1/3: τ=2 val_loss=0.693 val_acc=51.2% 3.4s",
+        "federation round 2/3: τ=5 1.3s",
+        "federation round 3/3: τ=8 val_loss=0.500 val_acc=75.0%",
+    ]

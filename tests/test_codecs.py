@@ -9,8 +9,17 @@ import pytest
 import torch
 
 from crossdc.compression.base import CodecConfigError, build_codec, parse_spec
-from crossdc.compression.index_coding import (BITMAP, VARINT, IndexCodingError, bitmap_size, decode_positions,
-                                              decode_varint, encode_positions, encode_varint, varint_size)
+from crossdc.compression.index_coding import (
+    BITMAP,
+    VARINT,
+    IndexCodingError,
+    bitmap_size,
+    decode_positions,
+    decode_varint,
+    encode_positions,
+    encode_varint,
+    varint_size,
+)
 from crossdc.compression.lowrank import power_step
 from crossdc.compression.pipeline import CodecPipeline, decode_payload
 from crossdc.compression.quantize import int8_quantize, qsgd_quantize

@@ -15,11 +15,10 @@ from typing import Any
 import pytest
 import yaml
 
-from conftest import CROSSDC
 from crossdc.db.engine import make_engine
 from crossdc.db.security import create_token
-from crossdc.experiment.processes import ProcessGroup, flower_env, free_port, kill_processes_with_env, venv_bin, wait_for_port
 from crossdc.deployment.superlink_control import SuperLinkControl
+from crossdc.experiment.processes import ProcessGroup, flower_env, free_port, kill_processes_with_env, venv_bin, wait_for_port
 
 REPO = Path(__file__).resolve().parents[1]
 MARKER = "CROSSDC_TEST_COMPOSE"

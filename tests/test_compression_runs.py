@@ -8,15 +8,15 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+from conftest import client_app_altering_replies, read_run
 from flwr.app import Message, RecordDict
 from flwr.clientapp import ClientApp
 from flwr.common.serde import recorddict_to_proto
 
-from conftest import client_app_altering_replies, read_run
 from crossdc.clients import client_app as real
-from crossdc.protocol import COMPRESSED_KEY, compressed_payload, encode_compressed, payload_bytes
 from crossdc.experiment.config import parse_config
 from crossdc.orchestration.local_run import LocalRunOptions, run_local
+from crossdc.protocol import COMPRESSED_KEY, compressed_payload, encode_compressed, payload_bytes
 
 REPO = Path(__file__).resolve().parents[1]
 BAD_DATACENTER = "eu-west"
@@ -56,7 +56,7 @@ def test_topk_int8_uploads_at_least_100x_fewer_bytes(runs: dict[str, dict]) -> N
         assert all(r["status"] == "ok" for r in logged["dc_rounds"]), name
     dense = [r["bytes_up"] for r in runs["none"]["rounds"]]
     sparse = [r["bytes_up"] for r in runs["topk+int8"]["rounds"]]
-    ratios = [d / s for d, s in zip(dense, sparse)]
+    ratios = [d / s for d, s in zip(dense, sparse, strict=False)]
     assert min(ratios) >= 100, ratios
     # bytes_up_raw is the same update as dense fp32 in every run: the compression ratio is exact
     assert [r["bytes_up_raw"] for r in runs["topk+int8"]["rounds"]] == [r["bytes_up_raw"] for r in runs["none"]["rounds"]]
@@ -80,7 +80,7 @@ def test_downlink_int8_sends_deltas_after_round_one_and_trains_as_well(runs: dic
     dense = [r["bytes_down"] for r in runs["none"]["rounds"]]
     down = [r["bytes_down"] for r in logged["rounds"]]
     assert abs(down[0] - dense[0]) / dense[0] < 0.01  # round 1: the full model
-    assert all(d < dense_bytes / 3.5 for d, dense_bytes in zip(down[1:], dense[1:])), (down, dense)
+    assert all(d < dense_bytes / 3.5 for d, dense_bytes in zip(down[1:], dense[1:], strict=False)), (down, dense)
     dense_loss, loss = runs["none"]["rounds"][-1]["val_loss"], logged["rounds"][-1]["val_loss"]
     assert abs(loss - dense_loss) / dense_loss <= 0.02, (loss, dense_loss)
 

@@ -2,9 +2,8 @@
 
 from __future__ import annotations
 
-import json
-
 import copy
+import json
 import re
 from pathlib import Path
 from typing import Any
@@ -172,7 +171,7 @@ def test_missing_run_rounds() -> None:
     assert "'run.rounds'" in config_error(with_changes("run.rounds", DELETE))
 
 
-@pytest.mark.parametrize(("path", "key"), [("workload.dataset", "workload.dataset"), ("workload.model", "workload.model"),
+@pytest.mark.parametrize(("path", "key"), [("workload.dataset", "workload.dataset"),
                                            ("strategy.name", "strategy.name"), ("datacenters.0.name", "datacenters[0].name")])
 def test_missing_required_keys(path: str, key: str) -> None:
     message = config_error(with_changes(path, DELETE))
@@ -347,8 +346,7 @@ def test_checkpoint_and_deadline_errors(path: str, value: Any, key: str) -> None
 
 
 def test_checkpoint_and_deadline_values() -> None:
-    from crossdc.experiment.config import CheckpointSection
-    from crossdc.experiment.config import DeadlinePolicy
+    from crossdc.experiment.config import CheckpointSection, DeadlinePolicy
 
     assert parse_config(minimal()).checkpoint == CheckpointSection(0, "checkpoints/", 3)
     doc = with_changes("checkpoint", {"every_rounds": 5, "dir": "s3://bucket/ckpt", "keep": 0})
@@ -497,3 +495,63 @@ def test_workers_must_divide_the_batch() -> None:
     doc = with_changes("datacenters.0.workers", 3, with_changes("workload.batch_size", 32))
     message = config_error(doc)
     assert "batch_size" in message and "divisible" in message
+
+
+# -- workload.model may be left out: the workload's default model -------------------------------------------
+
+
+def test_a_config_without_a_model_runs_with_the_workloads_default(tmp_path: Path) -> None:
+    from crossdc.experiment.builders import build_workload
+    from crossdc.testing.inprocess import InProcessFederation
+    from crossdc.workloads.models import SoftmaxRegression
+
+    doc = with_changes("workload.model", DELETE)
+    doc["strategy"]["tau"] = 2
+    config = parse_config(doc)
+    assert config.workload.model is None
+    workload = build_workload(config)
+    assert workload.spec.model == "linear"  # SyntheticWorkload.default_model
+    assert isinstance(workload.make_model(), SoftmaxRegression)
+    fed = InProcessFederation.from_config(config, tmp_path)
+    before = fed.evaluate()[0]
+    result = fed.run_round()
+    assert not result.rejected and len(result.updates) == 2 and result.tau == 2
+    assert fed.workload.spec.model == "linear"
+    assert fed.evaluate()[0] < before
+
+
+@pytest.mark.parametrize(("dataset", "model"), [("synthetic", "linear"), ("digits", "mlp"), ("mnist1d", "mlp"),
+                                                ("shakespeare", "char-transformer")])
+def test_every_built_in_workload_has_a_default_model_it_accepts(dataset: str, model: str) -> None:
+    from crossdc.workloads import available_workloads
+
+    cls = available_workloads()[dataset]
+    assert cls.default_model == model and cls.default_model_name() == model and model in cls.models
+
+
+def test_the_default_model_takes_the_configs_model_args() -> None:
+    from crossdc.experiment.builders import build_workload
+
+    doc = with_changes("workload", {"dataset": "digits", "model_args": {"hidden": 16}})
+    workload = build_workload(parse_config(doc))
+    assert workload.spec.model == "mlp" and workload.model_args == {"hidden": 16, "layers": 2}
+
+
+def test_an_unknown_model_still_gets_a_clear_error() -> None:
+    from crossdc.experiment.builders import build_workload
+    from crossdc.workloads import WorkloadError
+
+    with pytest.raises(WorkloadError, match=r"^unknown model 'resnet' for dataset 'synthetic'; known: linear, mlp$"):
+        build_workload(parse_config(with_changes("workload.model", "resnet")))
+    assert "'workload.model' must be a string" in config_error(with_changes("workload.model", 3))
+
+
+def test_a_workload_with_several_models_and_no_default_asks_for_one() -> None:
+    from crossdc.workloads import WorkloadError, WorkloadSpec
+    from crossdc.workloads.synthetic import SyntheticWorkload
+
+    undecided = type("Undecided", (SyntheticWorkload,), {"name": "undecided", "default_model": None})
+    with pytest.raises(WorkloadError, match=r"dataset 'undecided' has no default model: set workload.model to one of linear, mlp"):
+        undecided(WorkloadSpec(dataset="undecided"), ["a"], 0)
+    single = type("Single", (SyntheticWorkload,), {"name": "single", "default_model": None, "models": ("mlp",)})
+    assert single(WorkloadSpec(dataset="single"), ["a"], 0).spec.model == "mlp"  # the only model is the default

@@ -8,8 +8,9 @@ import subprocess
 from dataclasses import replace
 
 import pytest
-
 from conftest import CROSSDC  # noqa: E402
+
+from crossdc.experiment.links import LINK_PROFILES, LinkSpec
 from crossdc.wan.cost_model import (
     FLOWER_CHUNK_BYTES,
     CostModelError,
@@ -26,7 +27,6 @@ from crossdc.wan.cost_model import (
     transfer_time,
     uniform_datacenters,
 )
-from crossdc.experiment.links import LINK_PROFILES, LinkSpec
 
 LINK_100M_100MS = LinkSpec("test", bandwidth_mbps=100.0, rtt_ms=100.0)
 
@@ -95,7 +95,7 @@ def test_compression_scales_only_the_transfer_terms() -> None:
     base = star_round(two_datacenter_plan())
     both = star_round(two_datacenter_plan(compression_up=4.0, compression_down=4.0))
     up_only = star_round(two_datacenter_plan(compression_up=4.0))
-    for b, c, u in zip(base.datacenters, both.datacenters, up_only.datacenters):
+    for b, c, u in zip(base.datacenters, both.datacenters, up_only.datacenters, strict=False):
         assert c.transfer_down_s == pytest.approx(b.transfer_down_s / 4)
         assert c.transfer_up_s == pytest.approx(b.transfer_up_s / 4)
         assert c.latency_s == b.latency_s and c.compute_s == b.compute_s

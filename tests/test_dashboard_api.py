@@ -18,15 +18,15 @@ import uuid
 from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
-from datetime import datetime, timedelta, timezone
+from datetime import UTC, datetime, timedelta
 from pathlib import Path
 from typing import Any
 
 import httpx
 import pytest
+from conftest import CROSSDC, _pg_admin, read_run  # noqa: E402
 from sqlalchemy import update
 
-from conftest import CROSSDC, _pg_admin, read_run  # noqa: E402
 from crossdc.dashboard import prometheus
 from crossdc.dashboard.queries import (
     STALE_AFTER_MIN_S,
@@ -139,7 +139,7 @@ def write_runs(db_url: str) -> dict[str, str]:
         for dc in LONG_DCS[:2]:
             log.log_datacenter_round(run_id=ids["live"], round=3, datacenter=dc, status="ok", compute_s=1.0, comm_s=0.1)
         log.flush(timeout=60)
-    now = datetime.now(timezone.utc)
+    now = datetime.now(UTC)
     engine = make_engine(db_url)
     try:
         with engine.begin() as conn:  # their processes died (or slowed down) a while ago
@@ -412,14 +412,15 @@ def test_metrics_parse_and_report_every_datacenter(served: Served) -> None:
     run_id = served.real_run["run_id"]
     by_run = {labels["run_id"]: value for labels, value in families["crossdc_run_rounds_completed"]}
     assert by_run[run_id] == 3 and by_run[served.long_run] == LONG_ROUNDS
-    assert dict((l["run_id"], v) for l, v in families["crossdc_run_bytes_up_total"])[run_id] == served.real_run["bytes_up_total"]
-    ratios = {(l["run_id"], l["datacenter"]): v for l, v in families["crossdc_datacenter_comm_comp_ratio"]}
+    bytes_up = {labels["run_id"]: v for labels, v in families["crossdc_run_bytes_up_total"]}
+    assert bytes_up[run_id] == served.real_run["bytes_up_total"]
+    ratios = {(labels["run_id"], labels["datacenter"]): v for labels, v in families["crossdc_datacenter_comm_comp_ratio"]}
     assert {(run_id, "us-east"), (run_id, "eu-west")} <= set(ratios)
     assert all(v >= 0 and math.isfinite(v) for v in ratios.values())
     assert ratios[(served.long_run, "dc-a")] == pytest.approx(0.25 / 1.0)
-    seen = {l["datacenter"]: v for l, v in families["crossdc_datacenter_last_seen_age_seconds"]}
+    seen = {labels["datacenter"]: v for labels, v in families["crossdc_datacenter_last_seen_age_seconds"]}
     assert {"us-east", "eu-west"} <= set(seen) and all(v >= 0 for v in seen.values())
-    statuses = {l["status"] for l, _ in families["crossdc_run_info"] if l["run_id"] == served.dead_run}
+    statuses = {labels["status"] for labels, _ in families["crossdc_run_info"] if labels["run_id"] == served.dead_run}
     assert statuses == {"interrupted"}
 
 
@@ -463,7 +464,7 @@ def test_serve_on_a_busy_port_is_one_line_and_exit_2(tmp_path: Path) -> None:
     assert "Traceback" not in completed.stderr
 
 
-T0 = datetime(2026, 1, 1, 12, 0, tzinfo=timezone.utc)
+T0 = datetime(2026, 1, 1, 12, 0, tzinfo=UTC)
 
 
 def _row(status: str = "running", heartbeat: datetime | None = T0, error: str | None = None) -> dict[str, Any]:

@@ -23,9 +23,9 @@ from typing import Any
 
 import pytest
 import uvicorn
+from conftest import CROSSDC
 from sqlalchemy import insert, update
 
-from conftest import CROSSDC
 from crossdc.dashboard.app import create_app
 from crossdc.dashboard.figures import ALERT_COLOR, FIGURE_IDS, NOT_MEASURED_COLOR, OK_COLOR
 from crossdc.db.engine import make_engine, upgrade
@@ -42,7 +42,9 @@ CHROMIUM = "/usr/bin/chromium"
 CHROMIUM_ARGS = ["--no-sandbox", "--disable-gpu", "--disable-background-networking"]
 RUN_PAGE_FIGURES = [FIGURE_IDS[k] for k in (
     "loss_vs_round", "loss_vs_bytes", "loss_vs_wall_time", "tau_schedule", "bytes_per_round",
-    "time_breakdown", "comm_comp_ratio", "drift_per_datacenter", "staleness_histogram")]
+    "time_breakdown", "comm_comp_ratio", "drift_per_datacenter")]
+#: only on the page of a run with staleness (an asynchronous one)
+STALENESS_FIGURES = [FIGURE_IDS["staleness_histogram"], FIGURE_IDS["staleness_over_time"]]
 
 LIVE_RUN = "live-" + uuid.uuid4().hex[:8]
 ASYNC_RUN = "async-" + uuid.uuid4().hex[:8]
@@ -58,7 +60,7 @@ LONG_ROUNDS, LONG_DATACENTERS = 5000, 4
 def real_run(db_url: str, workdir: Path) -> str:
     """Run examples/synthetic-2dc.toml for real into `db_url`; its run id."""
     completed = subprocess.run(
-        [CROSSDC, "run", str(REPO / "examples" / "synthetic-2dc.toml"), "--db", db_url, "--json"],
+        [CROSSDC, "run", str(REPO / "examples" / "synthetic-2dc.toml"), "--db", db_url, "--json", "--port", str(free_port())],
         capture_output=True, text=True, timeout=400, cwd=workdir,
     )
     assert completed.returncode == 0, f"crossdc run failed:\n{completed.stdout}\n{completed.stderr}"
@@ -250,8 +252,8 @@ def test_run_page_of_a_real_run_draws_every_chart_from_its_rows(site: Site, tab:
     assert tab.counts(FIGURE_IDS["time_breakdown"]) == [len(datacenters)] * 3
     assert tab.counts(FIGURE_IDS["comm_comp_ratio"]) == [len(datacenters)]
     assert tab.counts(FIGURE_IDS["drift_per_datacenter"]) == [per_dc[name] for name in datacenters]
-    assert tab.counts(FIGURE_IDS["staleness_histogram"]) == []
-    assert "no async updates" in tab.page.inner_text(f"#{FIGURE_IDS['staleness_histogram']}")
+    assert [tab.page.query_selector(f"#{div_id}") for div_id in STALENESS_FIGURES] == [None, None]  # synchronous
+    assert len(tab.page.query_selector_all(".chart")) == len(RUN_PAGE_FIGURES)  # no empty panel
     assert tab.page.inner_text(".headline .status") == "finished"
     assert len(tab.page.query_selector_all("#datacenter-summary tbody tr")) == len(datacenters)
     assert tab.page.evaluate("window.crossdc.polling") is False  # a finished run is not polled
@@ -290,7 +292,7 @@ def test_a_round_written_while_the_page_is_open_appears_without_a_reload(site: S
 
 def test_exact_async_run_shows_staleness_alerts_not_measured_and_events(site: Site, tab: Tab) -> None:
     tab.goto(f"{site.base}/runs/{ASYNC_RUN}")
-    tab.wait_for_charts(RUN_PAGE_FIGURES)
+    tab.wait_for_charts(RUN_PAGE_FIGURES + STALENESS_FIGURES)
     staleness = tab.page.evaluate(
         "id => document.getElementById(id).data.map(t => [t.name, Array.from(t.x), Array.from(t.y)])",
         FIGURE_IDS["staleness_histogram"])
@@ -311,6 +313,34 @@ def test_exact_async_run_shows_staleness_alerts_not_measured_and_events(site: Si
     assert "not measured" in row
     assert tab.page.inner_text("#datacenter-summary tr[data-datacenter='slow-wan'] td.alert") == "0.5"
     tab.screenshot("run-async-exact.png")
+    assert tab.errors == []
+
+
+def test_a_running_async_run_gets_its_staleness_charts_once_it_has_staleness(site: Site, tab: Tab) -> None:
+    run_id = "async-live-" + uuid.uuid4().hex[:8]
+    with RunLog(site.db_url) as log:  # started, no update yet
+        log.start_run(run_id=run_id, name="async-live", strategy="fedbuff", config={}, rounds_planned=5)
+        log.heartbeat(run_id=run_id)
+        log.flush(timeout=30)
+    tab.goto(f"{site.base}/runs/{run_id}")
+    tab.wait_for_charts(RUN_PAGE_FIGURES)
+    assert [tab.page.query_selector(f"#{div_id}") for div_id in STALENESS_FIGURES] == [None, None]
+    assert tab.page.evaluate("window.crossdc.polling") is True
+
+    with tab.page.expect_event("load", timeout=20_000):  # its first update: the page reloads to lay the charts out
+        with RunLog(site.db_url) as log:
+            log.log_async_update(run_id=run_id, seq=0, datacenter="us-east", base_version=0, applied_version=1,
+                                 staleness=1, scale=0.5, status="applied", bytes_up=100)
+            log_round(log, run_id, 1, {"us-east": {"compute_s": 1.0, "comm_s": 0.1, "staleness": 1}})
+            log.flush(timeout=30)
+    tab.wait_for_charts(RUN_PAGE_FIGURES + STALENESS_FIGURES)
+    assert tab.page.evaluate("id => document.getElementById(id).data.map(t => t.name)", STALENESS_FIGURES[1]) == ["us-east"]
+    histogram = tab.page.evaluate(
+        "id => document.getElementById(id).data.map(t => [t.name, Array.from(t.x), Array.from(t.y)])", STALENESS_FIGURES[0])
+    assert histogram == [["applied", [1], [1]]]
+    with RunLog(site.db_url) as log:
+        log.finish_run(run_id=run_id, status="finished")
+        log.flush(timeout=30)
     assert tab.errors == []
 
 
@@ -412,6 +442,39 @@ def test_plotly_js_is_served_locally(site: Site, tab: Tab) -> None:
 
 
 # ------------------------------------------- server side, on both backends
+
+
+def test_only_runs_with_staleness_get_the_staleness_charts(migrated_url: str) -> None:
+    """The rendered run page (its chart divs) and live.json (its figures) of a synchronous run, of an asynchronous
+    run with async updates, and of one whose datacenter rounds alone carry a staleness."""
+    from fastapi.testclient import TestClient
+
+    runs = {kind: f"{kind}-" + uuid.uuid4().hex[:8] for kind in ("sync", "async", "staleness-only")}
+    with RunLog(migrated_url) as log:
+        for kind, run_id in runs.items():
+            log.start_run(run_id=run_id, name=kind, strategy="fedavg" if kind == "sync" else "fedasync", config={},
+                          rounds_planned=2)
+            staleness = None if kind == "sync" else 0
+            for r in (1, 2):
+                log_round(log, run_id, r, {"a": {"compute_s": 1.0, "comm_s": 0.1, "staleness": staleness}})
+            log.finish_run(run_id=run_id, status="finished")
+        log.log_async_update(run_id=runs["async"], seq=0, datacenter="a", base_version=0, applied_version=0, staleness=0,
+                             scale=1.0, status="applied", bytes_up=100)
+        log.flush(timeout=30)
+    engine = make_engine(migrated_url)
+    try:
+        client = TestClient(create_app(engine=engine))
+        for kind, run_id in runs.items():
+            page = client.get(f"/runs/{run_id}")
+            figures = client.get(f"/runs/{run_id}/live.json").json()["figures"]
+            assert page.status_code == 200
+            shown = kind != "sync"
+            for div_id in STALENESS_FIGURES:
+                assert (f'id="{div_id}"' in page.text) is shown, (kind, div_id)
+                assert (div_id in figures) is shown, (kind, div_id)
+            assert all(f'id="{div_id}"' in page.text and div_id in figures for div_id in RUN_PAGE_FIGURES)
+    finally:
+        engine.dispose()
 
 
 def test_run_page_thins_series_in_sql_on_both_backends(migrated_url: str, monkeypatch: pytest.MonkeyPatch) -> None:

@@ -12,17 +12,17 @@ from __future__ import annotations
 
 import zlib
 from collections.abc import Iterator
-from datetime import datetime, timedelta, timezone
+from datetime import UTC, datetime, timedelta
 from pathlib import Path
 from typing import Any
 
 import pytest
 import schemathesis
+from conftest import authenticating_superlink
 from hypothesis import HealthCheck, given, settings
 from schemathesis import GenerationMode, checks
 from sqlalchemy import update
 
-from conftest import authenticating_superlink
 from crossdc.dashboard.app import create_app
 from crossdc.db.engine import make_engine, upgrade
 from crossdc.db.models import RUNS
@@ -63,7 +63,7 @@ def seed(db_url: str) -> None:
     try:
         with engine.begin() as conn:
             conn.execute(update(RUNS).where(RUNS.c.id == "fuzz-dead")
-                         .values(last_heartbeat=datetime.now(timezone.utc) - timedelta(days=2)))
+                         .values(last_heartbeat=datetime.now(UTC) - timedelta(days=2)))
     finally:
         engine.dispose()
 
@@ -122,22 +122,22 @@ def test_no_generated_request_gets_a_server_error(api_schema: Any, mode: Generat
         @given(case=operation.as_strategy(generation_mode=mode))
         @settings(max_examples=MAX_EXAMPLES, deadline=None, derandomize=True, database=None,
                   suppress_health_check=list(HealthCheck))
-        def check(case: Any) -> None:
+        def check(case: Any) -> None:  # called right below, in the same iteration: `operation` is this one
             run_id = (case.path_parameters or {}).get("run_id")
             if mode is GenerationMode.POSITIVE and isinstance(run_id, str) and zlib.crc32(run_id.encode("utf-8", "surrogatepass")) % 2 == 0:
                 case.path_parameters["run_id"] = RUN_IDS[len(run_id) % len(RUN_IDS)]
             response = case.call(headers=headers)
-            if _is_write(operation) and token == "none":
+            if _is_write(operation) and token == "none":  # noqa: B023
                 # refused: 401, or 400/422 for a body that does not parse as JSON of the right shape (read before the token)
                 assert response.status_code in (400, 401, 422), f"{case.method} {case.formatted_path}: {response.status_code}"
             # a strategy plug-in that is installed but does not import is the installation's fault, not the input's:
             # /api/strategies then answers 503 naming it (as `crossdc strategies list` does); nothing else may be 5xx
-            broken_plugin = operation.path == "/api/strategies" and response.status_code == 503 and "failed to load" in response.text
+            broken_plugin = operation.path == "/api/strategies" and response.status_code == 503 and "failed to load" in response.text  # noqa: B023
             assert response.status_code < 500 or broken_plugin, (
                 f"{case.method} {case.formatted_path} {case.query}: {response.status_code} {response.text[:300]}")
             # a public key's content (a real EC key) is more than JSON Schema can say: a schema-valid string is not
             # necessarily a key, and 422 is the right answer to one that is not
-            excluded = [checks.positive_data_acceptance] if operation.path == "/api/datacenters" else []
+            excluded = [checks.positive_data_acceptance] if operation.path == "/api/datacenters" else []  # noqa: B023
             if token == "admin":  # a negative case may drop the Authorization header, which this mode puts back:
                 excluded.append(checks.negative_data_rejection)  # no 5xx is what is checked here
 

@@ -7,16 +7,15 @@ import time
 from pathlib import Path
 
 import pytest
+from conftest import read_run, via_relay
 from sqlalchemy import Engine
+from tcp_relay import TcpRelay
 
 from crossdc.db.engine import make_engine, upgrade
 from crossdc.db.queries import list_rounds, list_runs
 from crossdc.experiment.config import load_config, with_rounds
-from crossdc.orchestration.local_run import LocalRunOptions, RunFailed, run_local
 from crossdc.experiment.processes import free_port
-
-from conftest import read_run, via_relay
-from tcp_relay import TcpRelay
+from crossdc.orchestration.local_run import LocalRunOptions, RunFailed, run_local
 
 CONFIG = Path(__file__).resolve().parents[1] / "examples" / "synthetic-2dc.toml"
 

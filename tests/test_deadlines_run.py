@@ -10,8 +10,8 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-
 from conftest import read_run
+
 from crossdc.experiment.config import parse_config
 from crossdc.orchestration.local_run import LocalRunOptions, run_local
 

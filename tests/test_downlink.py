@@ -6,13 +6,11 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from flwr.app import RecordDict
+from flwr.app import ConfigRecord, RecordDict
 
-from crossdc.protocol import global_model
 from crossdc.clients.state_store import DatacenterStateStore
 from crossdc.compression.downlink import DownlinkOutOfSync, DownlinkSender, receive
-from crossdc.protocol import CONFIG_KEY
-from flwr.app import ConfigRecord
+from crossdc.protocol import CONFIG_KEY, global_model
 
 SHAPES = {"w": (40, 30), "b": (30,)}
 

@@ -18,11 +18,10 @@ import pytest
 import torch
 
 from crossdc.clients.local_training import BatchStream, LocalTrainer
-from crossdc.workloads import load_model_weights, model_weights
 from crossdc.clients.state_store import DatacenterStateStore, StateStoreError
 from crossdc.strategies.base import ClientUpdate
 from crossdc.strategies.fedavg import FedAvgTau
-from crossdc.workloads import Workload, WorkloadSpec, load_workload
+from crossdc.workloads import Workload, WorkloadSpec, load_model_weights, load_workload, model_weights
 
 LR = 0.1
 DCS = ["a", "b"]
@@ -59,7 +58,8 @@ def fedavg_round(strategy: FedAvgTau, trainers: dict[str, LocalTrainer], weights
     return strategy.aggregate(server_round, weights, updates, strategy.mean_update(updates))
 
 
-def sgd_step_on(workload: Workload, weights: dict[str, np.ndarray], batches: list[tuple[torch.Tensor, torch.Tensor]]) -> dict[str, np.ndarray]:
+def sgd_step_on(workload: Workload, weights: dict[str, np.ndarray],
+                batches: list[tuple[torch.Tensor, torch.Tensor]]) -> dict[str, np.ndarray]:
     """w − lr · ∇ (mean loss over the union of `batches`), computed with its own model and no optimizer."""
     model = workload.make_model()
     load_model_weights(model, weights)
@@ -68,12 +68,13 @@ def sgd_step_on(workload: Workload, weights: dict[str, np.ndarray], batches: lis
     loss = workload.loss(model(inputs), targets)
     params = dict(model.named_parameters())
     grads = torch.autograd.grad(loss, list(params.values()))
-    grad_of = {name: g.detach().numpy().astype(np.float64) for name, g in zip(params, grads)}
+    grad_of = {name: g.detach().numpy().astype(np.float64) for name, g in zip(params, grads, strict=False)}
     assert set(grad_of) == set(weights), "the model has buffers; extend the reference"
     return {name: (weights[name].astype(np.float64) - LR * grad_of[name]).astype(np.float32) for name in weights}
 
 
-def per_dc_gradient_step(workload: Workload, weights: dict[str, np.ndarray], batch: tuple[torch.Tensor, torch.Tensor]) -> dict[str, np.ndarray]:
+def per_dc_gradient_step(workload: Workload, weights: dict[str, np.ndarray],
+                         batch: tuple[torch.Tensor, torch.Tensor]) -> dict[str, np.ndarray]:
     return sgd_step_on(workload, weights, [batch])
 
 

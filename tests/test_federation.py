@@ -9,13 +9,13 @@ import time
 from pathlib import Path
 
 import pytest
+from conftest import interruptible, processes_mentioning, read_run
 
 from crossdc.db.engine import make_engine
 from crossdc.db.queries import get_run, list_rounds, parse_flower_run_ids
-from conftest import interruptible, processes_mentioning, read_run
 from crossdc.experiment.config import load_config, with_rounds
-from crossdc.orchestration.local_run import RUN_MARKER_ENV, LocalRunOptions, run_local
 from crossdc.experiment.processes import ensure_port_free, free_port, is_running, processes_with_env
+from crossdc.orchestration.local_run import RUN_MARKER_ENV, LocalRunOptions, run_local
 
 REPO = Path(__file__).resolve().parents[1]
 CONFIG = REPO / "examples" / "synthetic-2dc.toml"
@@ -213,3 +213,28 @@ def test_a_cut_link_misses_rounds_and_rejoins(wan_fault_run: dict) -> None:
     assert rejoined, f"eu-west never came back after the cut: {[(r['round'], r['status']) for r in eu]}"
     us = [r for r in wan_fault_run["dc_rounds"] if r["datacenter"] == "us-east"]
     assert all(r["status"] == "ok" for r in us)
+
+
+@pytest.mark.deployment
+@pytest.mark.timeout(300)
+def test_the_datacenters_api_and_page_show_the_configured_links(wan_fault_run: dict) -> None:
+    """Each datacenter's configured link reaches the `datacenters` table when the federation starts, and stays
+    there through its replies and the cut (which record it seen without a link)."""
+    from fastapi.testclient import TestClient
+
+    from crossdc.dashboard.app import create_app
+
+    db = wan_fault_run["result"].run_dir.parents[1] / "wan.db"  # the fixture's runs_root sits beside its database
+    engine = make_engine(f"sqlite:///{db}")
+    try:
+        with TestClient(create_app(engine=engine)) as client:
+            listed = client.get("/api/datacenters")
+            page = client.get("/datacenters")
+    finally:
+        engine.dispose()
+    assert listed.status_code == 200 and page.status_code == 200
+    links = {dc["name"]: (dc["link_bandwidth_mbps"], dc["link_rtt_ms"]) for dc in listed.json()}
+    assert links == {"us-east": (100.0, 150.0), "eu-west": (100.0, 150.0)}  # transoceanic
+    for name in links:
+        row = page.text.split(f'data-datacenter="{name}"', 1)[1].split("</tr>", 1)[0]
+        assert "100 Mbps" in row and "150 ms" in row, row

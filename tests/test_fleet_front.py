@@ -11,8 +11,8 @@ import httpx
 import pytest
 
 from crossdc.deployment.fleet_front import is_fleet_request, start_front
-from crossdc.experiment.processes import ProcessGroup, flower_env, free_port, wait_for_port
 from crossdc.deployment.tls import make_certificates
+from crossdc.experiment.processes import ProcessGroup, flower_env, free_port, wait_for_port
 
 BIN = Path(sys.executable).parent
 

@@ -12,8 +12,8 @@ from pathlib import Path
 
 import pytest
 
-from crossdc.wan.link_relay import LedgerReader, LinkRelay, bytes_by_direction, pace, time_in_flight
 from crossdc.experiment.links import LinkSpec
+from crossdc.wan.link_relay import LedgerReader, LinkRelay, bytes_by_direction, pace, time_in_flight
 
 
 def test_pace_is_the_link_model() -> None:

@@ -92,7 +92,8 @@ def test_bad_requests_are_refused_and_the_service_goes_on(node) -> None:
 def test_least_recently_used_trainer_is_stopped_beyond_max_runs(node) -> None:
     state_dir, key = node
     sock = node_socket(state_dir)
-    pids = {run: call_trainer(sock, key, {"op": "prepare", "run_id": run, "config": _config()})["worker_pids"] for run in ("r1", "r2", "r3")}
+    pids = {run: call_trainer(sock, key, {"op": "prepare", "run_id": run, "config": _config()})["worker_pids"]
+            for run in ("r1", "r2", "r3")}
     time.sleep(0.5)
     assert _pids_alive(pids["r1"]) == []
     assert _pids_alive(pids["r2"]) == pids["r2"] and _pids_alive(pids["r3"]) == pids["r3"]

@@ -13,9 +13,9 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-
 from conftest import read_run
 from test_cli_errors import cli  # tests/ is on sys.path
+
 from crossdc.experiment.processes import free_port
 
 REPO = Path(__file__).resolve().parents[1]

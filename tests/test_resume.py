@@ -13,8 +13,8 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-
 from conftest import CROSSDC, read_run
+
 from crossdc.clients.state_store import DatacenterStateStore, StateStoreError
 from crossdc.experiment.processes import free_port, kill_processes_with_env
 

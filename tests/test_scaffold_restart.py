@@ -8,13 +8,13 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-
 from conftest import read_run
+
 from crossdc.clients.channel import call_trainer
 from crossdc.clients.state_store import DatacenterStateStore
 from crossdc.experiment.config import parse_config
-from crossdc.orchestration.local_run import LocalRun, LocalRunOptions
 from crossdc.experiment.processes import free_port, is_running
+from crossdc.orchestration.local_run import LocalRun, LocalRunOptions
 from crossdc.strategies.aggregation import total_sum
 from crossdc.strategies.scaffold import CLIENT_CONTROL_KEY
 

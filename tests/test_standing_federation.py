@@ -13,16 +13,16 @@ from typing import Any
 
 import httpx
 import pytest
-
 from conftest import CROSSDC, authenticating_superlink, read_run
+
 from crossdc.clients.enroll import node_key
 from crossdc.dashboard.app import create_app
 from crossdc.db.engine import make_engine, upgrade
 from crossdc.db.security import audit_entries
 from crossdc.deployment.background_server import start_background, uvicorn_config
 from crossdc.deployment.fleet_front import start_front
-from crossdc.experiment.processes import ProcessGroup, flower_env, free_port, kill_processes_with_env
 from crossdc.deployment.superlink_control import SuperLinkControl
+from crossdc.experiment.processes import ProcessGroup, flower_env, free_port, kill_processes_with_env
 
 REPO = Path(__file__).resolve().parents[1]
 CONFIG = REPO / "examples" / "synthetic-2dc.toml"

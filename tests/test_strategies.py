@@ -25,12 +25,11 @@ from flwr.app import MetricRecord, RecordDict
 from torch import nn
 from torch.utils.data import TensorDataset
 
-from crossdc.protocol import CONTROL_KEY, METRICS_KEY, encode_tensors
-from crossdc.experiment.config import parse_config
 from crossdc.experiment.builders import build_strategy
+from crossdc.experiment.config import parse_config
 from crossdc.federation.grid_io import Reply
 from crossdc.federation.update_gate import GateRules, judge_reply
-from crossdc.testing.inprocess import InProcessFederation
+from crossdc.protocol import CONTROL_KEY, METRICS_KEY, encode_tensors
 from crossdc.strategies.aggregation import mean, nesterov_sgd_step, scaffold_client_control, scaffold_server_step
 from crossdc.strategies.base import LOOPS, ClientUpdate, Parameter, RunInfo, Strategy, StrategyError
 from crossdc.strategies.diloco import DiLoCo
@@ -39,6 +38,7 @@ from crossdc.strategies.fedprox import FedProx, proximal_term
 from crossdc.strategies.registry import available_strategies, describe_strategies, register_strategy, strategy_class, unregister_strategy
 from crossdc.strategies.scaffold import Scaffold
 from crossdc.strategies.schedule import TauSchedule
+from crossdc.testing.inprocess import InProcessFederation
 from crossdc.workloads import Workload, WorkloadSpec, load_workload
 from crossdc.workloads.registry import register_workload, unregister_workload
 
@@ -219,7 +219,7 @@ def test_construction_checks_the_inner_optimizer() -> None:
     with pytest.raises(StrategyError, match="strategy 'diloco' parameter 'outer_lr' must be float, got str"):
         DiLoCo(params={"outer_lr": "fast"})
     with pytest.raises(StrategyError, match="strategy 'scaffold' was built without a run"):
-        Scaffold().num_datacenters
+        _ = Scaffold().num_datacenters
 
 
 def test_construction_is_by_keyword_and_complete() -> None:

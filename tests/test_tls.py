@@ -10,9 +10,9 @@ import threading
 from pathlib import Path
 
 import pytest
+from conftest import CROSSDC  # tests/ is on sys.path
 
 from crossdc.deployment.tls import CertificateError, make_certificates
-from conftest import CROSSDC  # tests/ is on sys.path
 
 
 def _serve_once(cert: Path, key: Path) -> tuple[int, threading.Thread]:

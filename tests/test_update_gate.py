@@ -19,15 +19,19 @@ import numpy as np
 import pytest
 from flwr.app import Message, MessageType, Metadata, MetricRecord, RecordDict
 
-from crossdc.protocol import CONTROL_KEY, METRICS_KEY, encode_compressed, encode_tensors, payload_bytes
-from crossdc.testing import inprocess
-from crossdc.experiment.config import parse_config
-from crossdc.experiment.builders import build_strategy
 from crossdc.db.records import DatacenterRoundRecord
+from crossdc.experiment.builders import build_strategy
+from crossdc.experiment.config import parse_config
 from crossdc.federation.grid_io import Reply
-from crossdc.federation.update_gate import GateRules, judge_reply
-from crossdc.testing.inprocess import InProcessFederation
-from crossdc.federation.update_gate import norm_outliers, size_rejection_reason, update_norm_outliers, update_size_limit
+from crossdc.federation.update_gate import (
+    GateRules,
+    judge_reply,
+    norm_outliers,
+    size_rejection_reason,
+    update_norm_outliers,
+    update_size_limit,
+)
+from crossdc.protocol import CONTROL_KEY, METRICS_KEY, encode_compressed, encode_tensors, payload_bytes
 from crossdc.strategies.aggregation import weighted_average
 from crossdc.strategies.base import ClientUpdate, RunInfo, Strategy, StrategyError
 from crossdc.strategies.diloco import DiLoCo
@@ -35,6 +39,8 @@ from crossdc.strategies.fedavg import FedAvgTau
 from crossdc.strategies.fedprox import FedProx
 from crossdc.strategies.robust import robust_mean
 from crossdc.strategies.scaffold import Scaffold
+from crossdc.testing import inprocess
+from crossdc.testing.inprocess import InProcessFederation
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -198,7 +204,7 @@ def by_median(cls: type[Strategy], optimizer: str, params: dict[str, Any] | None
 
 def client_updates(control: bool = False) -> list[ClientUpdate]:
     return [ClientUpdate(dc, u, n, extras={CONTROL_KEY: {"w": arr(c, c), "b": arr(c)}} if control else {})
-            for dc, u, n, c in zip("abc", UPDATES, (100, 1, 1), (3, 6, 30))]
+            for dc, u, n, c in zip("abc", UPDATES, (100, 1, 1), (3, 6, 30), strict=False)]
 
 
 @pytest.mark.parametrize("cls, params", [(FedAvgTau, None), (FedProx, None),

@@ -10,8 +10,8 @@ from pathlib import Path
 
 import pytest
 
-from crossdc.wan.cost_model import flower_round_trips, ring_allreduce_time
 from crossdc.experiment.links import LINK_PROFILES, LinkSpec
+from crossdc.wan.cost_model import flower_round_trips, ring_allreduce_time
 
 BENCHMARKS = Path(__file__).resolve().parents[1] / "benchmarks"
 
@@ -57,7 +57,8 @@ def test_timeline_adds_the_slowest_datacenter_and_the_platform_time(bench) -> No
 
 def test_sync_data_parallel_pays_a_ring_all_reduce_per_step(bench) -> None:
     link = LINK_PROFILES["transoceanic"]
-    all_workers = {"compute_s": 10.0, "steps": 100, "curve": [{"steps": 100, "bytes": 0, "wall_s": 10.0, "val_loss": 2.0, "val_accuracy": 0.4}]}
+    all_workers = {"compute_s": 10.0, "steps": 100,
+                   "curve": [{"steps": 100, "bytes": 0, "wall_s": 10.0, "val_loss": 2.0, "val_accuracy": 0.4}]}
     row = bench.sync_dp_row(all_workers, params=1000, n=4, link=link)
     assert row["bytes"] == 100 * 2 * 3 * 4000
     assert row["wall_s"] == pytest.approx(10.0 + 100 * ring_allreduce_time(4000, 4, link.bandwidth_mbps, link.rtt_ms))

@@ -11,15 +11,14 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+from conftest import processes_mentioning  # tests/ is on sys.path
 
 from crossdc.clients.channel import TrainerFailed, call_trainer
-from crossdc.experiment.config import parse_config
 from crossdc.experiment.builders import build_workload, initial_model
-from crossdc.workloads import model_weights
+from crossdc.experiment.config import parse_config
 from crossdc.experiment.processes import is_running
 from crossdc.experiment.rundir import RunDir
-
-from conftest import processes_mentioning  # tests/ is on sys.path
+from crossdc.workloads import model_weights
 
 
 def experiment(optimizer: str, workers: int, strategy: str = "fedavg", params: dict | None = None) -> dict:
@@ -66,7 +65,8 @@ def test_two_ranks_equal_one_process_on_the_same_global_batch(optimizer: str, tm
             ping = service.call({"op": "ping"})
             assert len(ping["worker_pids"]) == workers
             answers = [service.call({"op": "train", "run_id": "group-test", "round": r, "tau": 4, "weights": weights}) for r in (1, 2)]
-            assert answers[0]["metrics"]["worker-pids"] == answers[1]["metrics"]["worker-pids"] == ping["worker_pids"]  # the group lives across rounds
+            # the group lives across rounds
+            assert answers[0]["metrics"]["worker-pids"] == answers[1]["metrics"]["worker-pids"] == ping["worker_pids"]
             assert answers[1]["metrics"]["num-examples"] == 4 * 32
             deltas[workers] = answers[1]["delta"]
         finally:
@@ -84,11 +84,10 @@ def test_two_ranks_with_diloco_and_codecs_keep_the_datacenter_state_right(tmp_pa
     decoded updates equal one process's to the codecs' resolution."""
     from flwr.app import ConfigRecord, RecordDict
 
-    from crossdc.protocol import global_model
     from crossdc.clients.state_store import DatacenterStateStore
     from crossdc.compression.downlink import DownlinkSender
-    from crossdc.protocol import CONFIG_KEY
     from crossdc.compression.uplink import CODEC_STATE_KEY, decode_arrays
+    from crossdc.protocol import CONFIG_KEY, global_model
 
     doc = {**experiment("adamw", 1, "diloco"), "compression": {"codecs": ["topk:0.25", "int8"], "downlink_codecs": ["int8"]}}
     weights = initial_weights(doc)
@@ -114,7 +113,7 @@ def test_two_ranks_with_diloco_and_codecs_keep_the_datacenter_state_right(tmp_pa
         store = DatacenterStateStore(RunDir(root).state_root, "group-test", "dc-a")
         assert store.keys() == sorted(["local-trainer", CODEC_STATE_KEY, "downlink-reference"])
         assert store.load(CODEC_STATE_KEY)[1] == 3
-    for one, two in zip(decoded[1], decoded[2]):
+    for one, two in zip(decoded[1], decoded[2], strict=False):
         for name in one:
             scale = float(np.abs(one[name]).max()) / 127 + 1e-7
             assert np.abs(two[name] - one[name]).max() <= 2 * scale + 1e-5, name
@@ -207,10 +206,11 @@ def test_federation_with_two_ranks_per_datacenter_survives_a_killed_rank(tmp_pat
     import threading
 
     from conftest import read_run
-    from crossdc.db.queries import list_rounds, list_runs
+
     from crossdc.db.engine import make_engine
-    from crossdc.orchestration.local_run import RUN_MARKER_ENV, LocalRunOptions, run_local
+    from crossdc.db.queries import list_rounds, list_runs
     from crossdc.experiment.processes import free_port, processes_with_env
+    from crossdc.orchestration.local_run import RUN_MARKER_ENV, LocalRunOptions, run_local
 
     db_url = f"sqlite:///{tmp_path / 'ddp.db'}"
     runs = tmp_path / "runs"

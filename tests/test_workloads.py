@@ -68,7 +68,7 @@ def test_iid_depends_on_rng_and_rejects_too_many_parts() -> None:
     a = iid_partition(100, 2, np.random.default_rng(1))
     b = iid_partition(100, 2, np.random.default_rng(1))
     c = iid_partition(100, 2, np.random.default_rng(2))
-    assert all(np.array_equal(x, y) for x, y in zip(a, b))
+    assert all(np.array_equal(x, y) for x, y in zip(a, b, strict=False))
     assert not np.array_equal(a[0], c[0])
     with pytest.raises(WorkloadError, match="3 items cannot fill 4 parts"):
         iid_partition(3, 4, np.random.default_rng(0))
@@ -88,7 +88,7 @@ def test_dirichlet_cover_min_size_and_skew() -> None:
     assert dominant_fraction(labels, skewed) > 0.5
     assert dominant_fraction(labels, even) < 0.2
     again = dirichlet_partition(labels, 4, 0.05, np.random.default_rng(0), min_size=20)
-    assert all(np.array_equal(x, y) for x, y in zip(skewed, again))
+    assert all(np.array_equal(x, y) for x, y in zip(skewed, again, strict=False))
 
 
 def test_dirichlet_gives_up_with_a_clear_error() -> None:
@@ -113,7 +113,7 @@ def test_natural_keeps_groups_whole_balanced_and_deterministic() -> None:
     assert part_groups == [{"a", "d", "e"}, {"b", "c"}]
     assert [len(p) for p in parts] == [8, 7]
     again = natural_partition(list(groups), 2)
-    assert all(np.array_equal(x, y) for x, y in zip(parts, again))
+    assert all(np.array_equal(x, y) for x, y in zip(parts, again, strict=False))
     with pytest.raises(WorkloadError, match="6 parts but only 5 groups"):
         natural_partition(groups, 6)
 
@@ -155,7 +155,7 @@ def test_shakespeare_validation_is_one_fixed_set() -> None:
         validation_windows.cache_clear()  # rebuild from the texts, as a fresh process would
         training_windows.cache_clear()
         val = build().validation()
-        assert all(torch.equal(a, b) for a, b in zip(reference.tensors, val.tensors))
+        assert all(torch.equal(a, b) for a, b in zip(reference.tensors, val.tensors, strict=False))
 
 
 def test_shakespeare_iid_is_even_and_seeded() -> None:
@@ -188,7 +188,7 @@ def test_char_transformer_shapes_causality_and_initial_loss() -> None:
     assert "causal_mask" not in model.state_dict()
     torch.manual_seed(0)
     twin = w.make_model()
-    assert all(torch.equal(a, b) for a, b in zip(model.state_dict().values(), twin.state_dict().values()))
+    assert all(torch.equal(a, b) for a, b in zip(model.state_dict().values(), twin.state_dict().values(), strict=False))
 
 
 def test_shakespeare_bad_specs() -> None:
@@ -211,11 +211,11 @@ def test_synthetic_shards_are_deterministic_and_cover() -> None:
     b = SyntheticWorkload(s, DCS4, seed=5)
     c = SyntheticWorkload(s, DCS4, seed=6)
     for dc in DCS4:
-        assert all(torch.equal(x, y) for x, y in zip(a.shard(dc).tensors, b.shard(dc).tensors))
+        assert all(torch.equal(x, y) for x, y in zip(a.shard(dc).tensors, b.shard(dc).tensors, strict=False))
     assert any(len(a.shard(dc)) != len(c.shard(dc)) for dc in DCS4)
     assert_disjoint_cover([a.shard_indices(dc) for dc in DCS4], len(a.all_training()))
     assert len(a.all_training()) == 2000 and len(a.validation()) == 400
-    assert all(torch.equal(x, y) for x, y in zip(a.validation().tensors, c.validation().tensors))
+    assert all(torch.equal(x, y) for x, y in zip(a.validation().tensors, c.validation().tensors, strict=False))
     inputs, targets = a.all_training().tensors
     idx = torch.from_numpy(a.shard_indices("eu").copy())
     assert torch.equal(a.shard("eu").tensors[0], inputs[idx])

@@ -21,7 +21,6 @@ from torch.utils.data import TensorDataset
 from crossdc.clients.devices import autocast
 from crossdc.workloads import Workload, load_model_weights, make_optimizer, model_weights
 
-
 #: the shortest sleep of the speed emulation (see LocalTrainer): the trainer runs ahead of its pace until this much
 SLEEP_QUANTUM_S = 0.2
 

@@ -12,9 +12,9 @@ import sys
 import time
 from pathlib import Path
 
-from crossdc.protocol import DATACENTER, NODE_AUTHKEY_FILE, NODE_SERVICE
 from crossdc.clients.node import node_authkey, node_socket
 from crossdc.experiment.processes import ProcessGroup, flower_env, free_port, venv_bin
+from crossdc.protocol import DATACENTER, NODE_AUTHKEY_FILE, NODE_SERVICE
 
 
 class NodeFailed(RuntimeError):

@@ -36,16 +36,16 @@ import torch
 import torch.distributed as dist
 
 from crossdc import protocol as proto
-from crossdc.protocol import ProtocolError, TrainRequest
 from crossdc.clients.channel import serve_requests
 from crossdc.clients.local_round import run_local_round
 from crossdc.clients.worker import GROUP_TIMEOUT, backend, build_rank, use_device
 from crossdc.compression.downlink import DownlinkOutOfSync, receive
 from crossdc.compression.wire import CodecError
-from crossdc.experiment.config import parse_config
 from crossdc.experiment.builders import datacenter_seed
+from crossdc.experiment.config import parse_config
 from crossdc.experiment.processes import die_with_parent
 from crossdc.experiment.rundir import RunDir
+from crossdc.protocol import ProtocolError, TrainRequest
 from crossdc.strategies.base import StrategyError
 
 log = logging.getLogger("crossdc.trainer")
@@ -92,7 +92,8 @@ class DatacenterTrainer:
             ]
             log_file.close()
             use_device(0, self.world)
-            dist.init_process_group(backend(self.world), init_method=f"file://{rendezvous}", rank=0, world_size=self.world, timeout=GROUP_TIMEOUT)
+            dist.init_process_group(backend(self.world), init_method=f"file://{rendezvous}", rank=0, world_size=self.world,
+                                    timeout=GROUP_TIMEOUT)
         self.trainer, self.store, self.last_round, self.strategy = build_rank(self.run_dir, self.datacenter, 0, self.world)
         if self.last_round:
             log.info("%s: local state of round %d restored", self.datacenter, self.last_round)

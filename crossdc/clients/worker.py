@@ -17,12 +17,12 @@ import torch
 import torch.distributed as dist
 
 from crossdc import protocol as proto
-from crossdc.clients.local_round import TRAINER_STATE_KEY, train_with_plan
 from crossdc.clients.devices import local_placement
+from crossdc.clients.local_round import TRAINER_STATE_KEY, train_with_plan
 from crossdc.clients.local_training import LocalTrainer
 from crossdc.clients.state_store import DatacenterStateStore
-from crossdc.experiment.config import parse_config
 from crossdc.experiment.builders import build_strategy, build_workload, datacenter_seed
+from crossdc.experiment.config import parse_config
 from crossdc.experiment.rundir import RunDir
 from crossdc.strategies.base import Strategy
 

@@ -25,9 +25,8 @@ from typing import Any
 
 import numpy as np
 
-from crossdc.protocol import (DOWNLINK, DOWNLINK_BASE, DOWNLINK_KEY, DOWNLINK_VERSION, encode_compressed,
-                                         encode_tensors)
 from crossdc.compression.pipeline import CodecPipeline
+from crossdc.protocol import DOWNLINK, DOWNLINK_BASE, DOWNLINK_KEY, DOWNLINK_VERSION, encode_compressed, encode_tensors
 
 #: the state-store key of a datacenter's reference model
 REFERENCE_KEY = "downlink-reference"

@@ -25,8 +25,16 @@ from typing import Any
 import numpy as np
 import torch
 
-from crossdc.compression.base import (FLOAT32_BYTES, Codec, CodecConfigError, StructureCodec, TensorState, ValuesCodec,
-                                      available_codecs, build_codec)
+from crossdc.compression.base import (
+    FLOAT32_BYTES,
+    Codec,
+    CodecConfigError,
+    StructureCodec,
+    TensorState,
+    ValuesCodec,
+    available_codecs,
+    build_codec,
+)
 from crossdc.compression.index_coding import IndexCodingError, bitmap_size, decode_positions, encode_positions, varint_size
 from crossdc.compression.wire import DENSE, LOWRANK, SPARSE, CodecError, EncodedTensor, parse, plain, reconstruct, serialize
 
@@ -69,7 +77,7 @@ def _sent_energy(encoded: EncodedTensor, parts: list[torch.Tensor]) -> float:
     """‖what the tensor decodes to‖², from its decoded parts (never building a low-rank product)."""
     if encoded.kind == LOWRANK:
         assert encoded.matrix is not None
-        p, q = (part.double().view(dim, -1) for part, dim in zip(parts, encoded.matrix))
+        p, q = (part.double().view(dim, -1) for part, dim in zip(parts, encoded.matrix, strict=True))
         return float(torch.trace((p.T @ p) @ (q.T @ q)))
     return _squared_norm(parts[0])
 

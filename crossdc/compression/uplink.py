@@ -21,9 +21,9 @@ import numpy as np
 from flwr.app import RecordDict
 
 from crossdc import protocol as proto
-from crossdc.protocol import (ARRAYS_KEY, COMPRESSED_KEY, PayloadError, compressed_payload, decode_tensors)
 from crossdc.compression.pipeline import CodecPipeline, decode_payload
 from crossdc.compression.wire import CodecError
+from crossdc.protocol import ARRAYS_KEY, COMPRESSED_KEY, PayloadError, compressed_payload, decode_tensors
 
 #: the state-store key of a datacenter's codec state
 CODEC_STATE_KEY = "codec-state"

@@ -20,9 +20,9 @@ from collections.abc import Iterator
 from datetime import datetime
 from typing import Annotated, Any, Literal
 
+import pydantic_core
 from fastapi import APIRouter, Depends, FastAPI, HTTPException, Path, Query, Request, Response
 from fastapi.responses import JSONResponse
-import pydantic_core
 from pydantic import BaseModel, ConfigDict, Field
 from sqlalchemy import Connection, Engine, exc
 

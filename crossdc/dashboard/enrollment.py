@@ -23,9 +23,9 @@ from fastapi import APIRouter, HTTPException, Path, Query, Request
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 from sqlalchemy import Connection, exc, insert, select, update
 
+from crossdc.dashboard import queries
 from crossdc.dashboard.api import DatacenterInfo, ErrorBody, _503
 from crossdc.dashboard.auth import Admin, Enroller, client_address
-from crossdc.dashboard import queries
 from crossdc.db.models import DATACENTERS
 from crossdc.db.security import TokenIdentity, audit_entries, record_audit
 from crossdc.deployment.superlink_control import ControlError, PublicKeyError, SuperLinkControl, check_public_key

@@ -56,7 +56,7 @@ _RUN_COLUMNS = (
 
 def _dicts(conn: Connection, stmt: Any, columns: Sequence[str]) -> list[dict[str, Any]]:
     """Rows of ``stmt`` (selecting ``columns``, no timestamps) as dicts: the fast path for long series."""
-    return [dict(zip(columns, row)) for row in conn.execute(stmt).all()]
+    return [dict(zip(columns, row, strict=True)) for row in conn.execute(stmt).all()]
 
 
 def _row(mapping: Mapping[str, Any]) -> dict[str, Any]:
@@ -90,6 +90,9 @@ class RunPageData:
     totals: dict[str, Any] = field(default_factory=dict)
     #: the async updates' (seq, datacenter, applied_version, staleness, status), thinned to every k-th (by seq)
     staleness_series: list[dict[str, Any]] = field(default_factory=list)
+    #: whether the run has staleness to show (async updates, or datacenter rounds with a staleness): a synchronous
+    #: run has none, and its page leaves the staleness charts out
+    has_staleness: bool = False
 
 
 def run_version(conn: Connection, run_id: str, now: datetime) -> tuple[str, bool] | None:
@@ -148,6 +151,7 @@ def _datacenter_aggregates(
             func.coalesce(func.sum(dc.c.bytes_up), 0).label("bytes_up"),
             func.coalesce(func.sum(dc.c.bytes_up_raw), 0).label("bytes_up_raw"),
             func.coalesce(func.sum(dc.c.bytes_down), 0).label("bytes_down"),
+            func.count(dc.c.staleness).label("staleness_n"),
         )
         .where(*where)
         .group_by(dc.c.datacenter)
@@ -160,7 +164,7 @@ def _datacenter_aggregates(
 _ADDITIVE = (
     "rounds", "ok", "failed", "timeout", "rejected", "compute_s_total", "compute_n", "comm_s_total",
     "comm_measured", "overhead_s_total", "overhead_n", "comm_both", "compute_both",
-    "bytes_up", "bytes_up_raw", "bytes_down",
+    "bytes_up", "bytes_up_raw", "bytes_down", "staleness_n",
 )
 
 
@@ -362,6 +366,7 @@ def load_run_page(
         events=events, events_total=events_total, staleness_counts=staleness,
         async_total=async_total, version=version[0], totals=totals,
         staleness_series=_staleness_series(conn, run_id, async_total),
+        has_staleness=async_total > 0 or any(int(a.get("staleness_n") or 0) for a in aggregates),
     )
 
 

@@ -3,7 +3,8 @@
 Routes (all read-only, none in the OpenAPI schema):
 
 * ``/``: the runs, newest first, with status and headline numbers; pick runs to compare.
-* ``/runs/{run_id}``: one run's charts and tables; 404 page for an unknown id. While the run
+* ``/runs/{run_id}``: one run's charts and tables (the staleness charts only for a run with
+  staleness, i.e. an asynchronous one); 404 page for an unknown id. While the run
   is running the page polls ``/runs/{run_id}/live.json`` every ~2 s and redraws itself
   (``Plotly.react``) when the run's version marker changed; it stops when the run stops.
 * ``/runs/{run_id}/live.json``: ``{"version", "changed", "running", "status"}``, plus
@@ -195,9 +196,9 @@ def runs_page(request: Request) -> HTMLResponse:
 
 
 def run_figures(data: RunPageData) -> dict[str, go.Figure]:
-    """The run page's figures by div id."""
+    """The run page's figures by div id (the staleness charts only for a run that has staleness)."""
     rounds, run = data.rounds, data.run
-    return {
+    figs = {
         FIGURE_IDS["loss_vs_round"]: figures.loss_vs_round(rounds, data.events),
         FIGURE_IDS["loss_vs_bytes"]: figures.loss_vs_bytes(rounds),
         FIGURE_IDS["loss_vs_wall_time"]: figures.loss_vs_wall_time(rounds),
@@ -206,10 +207,12 @@ def run_figures(data: RunPageData) -> dict[str, go.Figure]:
         FIGURE_IDS["time_breakdown"]: figures.time_breakdown(data.dc_summary),
         FIGURE_IDS["comm_comp_ratio"]: figures.comm_comp_ratio(data.dc_summary),
         FIGURE_IDS["drift_per_datacenter"]: figures.drift_per_datacenter(data.dc_sample),
-        FIGURE_IDS["staleness_histogram"]: figures.staleness_histogram(data.staleness_counts),
-        FIGURE_IDS["staleness_over_time"]: figures.staleness_over_time(data.staleness_series),
         FIGURE_IDS["tau_schedule"]: figures.tau_schedule(rounds),
     }
+    if data.has_staleness:
+        figs[FIGURE_IDS["staleness_histogram"]] = figures.staleness_histogram(data.staleness_counts)
+        figs[FIGURE_IDS["staleness_over_time"]] = figures.staleness_over_time(data.staleness_series)
+    return figs
 
 
 #: The run page's parts that live updates replace: element id → template.
@@ -266,6 +269,7 @@ def _run_context(data: RunPageData) -> dict[str, Any]:
     return {
         "run": data.run, "totals": data.totals, "dc_summary": data.dc_summary, "dc_stride": data.dc_stride,
         "events": events, "events_total": data.events_total, "async_total": data.async_total,
+        "has_staleness": data.has_staleness,
         "alert": figures.COMM_COMP_ALERT, "compression": figures.has_compression(data.run.get("config")),
     }
 

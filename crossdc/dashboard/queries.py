@@ -79,7 +79,7 @@ def _rows(conn: Connection, table: Table, fields: tuple[str, ...], stmt: Any) ->
     times = [f for f in fields if isinstance(table.c[f].type, DateTime)]
     out = []
     for values in conn.execute(stmt):
-        row = dict(zip(fields, values))
+        row = dict(zip(fields, values, strict=True))
         for f in floats:
             row[f] = finite_or_none(row[f])
         for f in times:
@@ -457,7 +457,7 @@ def _datacenter_windows(conn: Connection, run_id: str, window_rounds: int) -> li
     for name, rows in grouped.items():
         ok = [r for r in rows if r["status"] == "ok"]  # durations of accepted rounds only
 
-        def total(field: str) -> float:
+        def total(field: str, ok: list[Any] = ok) -> float:
             return float(sum(finite_or_none(r[field]) or 0.0 for r in ok))
 
         out.append(DatacenterWindow(run_id=run_id, datacenter=name, rounds=sum(int(r["n"]) for r in rows),

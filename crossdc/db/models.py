@@ -29,7 +29,6 @@ from datetime import datetime
 from typing import Any
 
 from sqlalchemy import (
-    Table,
     JSON,
     BigInteger,
     CheckConstraint,
@@ -40,6 +39,7 @@ from sqlalchemy import (
     Integer,
     MetaData,
     String,
+    Table,
     Text,
     UniqueConstraint,
 )

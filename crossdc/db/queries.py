@@ -9,7 +9,7 @@ Timestamps are returned as timezone-aware UTC datetimes on every backend
 from __future__ import annotations
 
 from collections.abc import Iterable
-from datetime import datetime, timezone
+from datetime import UTC, datetime
 from typing import Any
 
 from sqlalchemy import Connection, Engine, Executable, Table, select
@@ -29,13 +29,13 @@ Bind = Engine | Connection | Session
 
 def utcnow() -> datetime:
     """Now, timezone-aware UTC (the one clock every run-log timestamp comes from)."""
-    return datetime.now(timezone.utc)
+    return datetime.now(UTC)
 
 
 def as_utc(value: Any) -> Any:
     """A datetime as aware UTC (SQLite hands back naive UTC); anything else unchanged."""
     if isinstance(value, datetime):
-        return value.replace(tzinfo=timezone.utc) if value.tzinfo is None else value.astimezone(timezone.utc)
+        return value.replace(tzinfo=UTC) if value.tzinfo is None else value.astimezone(UTC)
     return value
 
 

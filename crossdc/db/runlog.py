@@ -48,15 +48,11 @@ from sqlalchemy.dialects import postgresql, sqlite
 
 from crossdc.db.engine import make_engine, safe_url
 from crossdc.db.errors import DatabaseUnavailable
-from crossdc.db.values import json_safe, non_finite_text
-from crossdc.db.records import DatacenterRoundRecord
-from crossdc.db.queries import utcnow
 from crossdc.db.models import (
     ASYNC_UPDATE_STATUSES,
     BASELINES,
     RUN_STATUSES,
 )
-
 from crossdc.db.models import ASYNC_UPDATES as _ASYNC
 from crossdc.db.models import CHECKPOINTS as _CHECKPOINTS
 from crossdc.db.models import DATACENTER_ROUNDS as _DC_ROUNDS
@@ -64,6 +60,9 @@ from crossdc.db.models import DATACENTERS as _DATACENTERS
 from crossdc.db.models import EVENTS as _EVENTS
 from crossdc.db.models import ROUNDS as _ROUNDS
 from crossdc.db.models import RUNS as _RUNS
+from crossdc.db.queries import utcnow
+from crossdc.db.records import DatacenterRoundRecord
+from crossdc.db.values import json_safe, non_finite_text
 
 log = logging.getLogger(__name__)
 

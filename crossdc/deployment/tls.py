@@ -18,7 +18,7 @@ from __future__ import annotations
 import ipaddress
 import os
 from dataclasses import dataclass
-from datetime import datetime, timedelta, timezone
+from datetime import UTC, datetime, timedelta
 from pathlib import Path
 
 from cryptography import x509
@@ -77,7 +77,7 @@ def make_certificates(directory: str | Path, hosts: list[str], *, days: int = 36
     if existing and not force:
         raise CertificateError(f"{existing[0]} exists; pass --force to replace the certificates in {directory}")
     san = _san(hosts)
-    now = datetime.now(timezone.utc)
+    now = datetime.now(UTC)
     ca_key = ec.generate_private_key(ec.SECP256R1())
     ca_name = x509.Name([x509.NameAttribute(NameOID.ORGANIZATION_NAME, organisation),
                          x509.NameAttribute(NameOID.COMMON_NAME, f"{organisation} private CA")])

@@ -11,6 +11,9 @@ from crossdc.workloads import Workload, WorkloadSpec, load_workload
 
 
 def workload_spec(config: ExperimentConfig) -> WorkloadSpec:
+    """The config's ``[workload]`` as a WorkloadSpec. A config without ``model`` gives ``model=None``: the workload
+    resolves it to its default model when it is built (:meth:`crossdc.workloads.base.Workload.default_model_name`),
+    in every process the same way."""
     w = config.workload
     return WorkloadSpec(dataset=w.dataset, model=w.model, model_args=dict(w.model_args), partition=dict(w.partition),
                         batch_size=w.batch_size, optimizer=w.optimizer, lr=w.lr)

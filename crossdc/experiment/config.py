@@ -2,9 +2,10 @@
 
 Promises:
 - every key is checked: an unknown or misspelt key is an error naming the key
-  (with a suggestion when one is close);
-- a documented key whose feature is not built yet fails with "not implemented
-  yet" instead of being silently ignored;
+  (with a suggestion when one is close); the keys accepted are listed once, in
+  :data:`CONFIG_KEYS`, which docs/configuration.md documents key by key;
+- a documented key whose feature is not built yet (:data:`NOT_YET`) fails with
+  "not implemented yet" instead of being silently ignored;
 - every error is a :class:`ConfigError` whose message is one line.
 """
 
@@ -21,8 +22,8 @@ from pathlib import Path
 from typing import Any
 
 from crossdc.experiment.links import LINK_PROFILES, LinkSpec
-from crossdc.strategies.schedule import TauSchedule
 from crossdc.strategies.robust import DEFAULT_TRIM_FRACTION, ROBUST_AGGREGATIONS
+from crossdc.strategies.schedule import TauSchedule
 
 
 class ConfigError(ValueError):
@@ -59,7 +60,8 @@ class RunSection:
 @dataclass(frozen=True)
 class WorkloadSection:
     dataset: str = "synthetic"
-    model: str = "linear"
+    #: None: the workload's own default model (its class attribute ``default_model``), chosen where it is built
+    model: str | None = None
     model_args: dict[str, Any] = field(default_factory=dict)
     partition: dict[str, Any] = field(default_factory=lambda: {"kind": "iid"})
     batch_size: int = 32
@@ -154,21 +156,45 @@ class ExperimentConfig:
         return json.dumps(self.raw, sort_keys=True)
 
 
-# Sections and keys that are part of the documented format but belong to later
-# work. Setting them to anything but their neutral value fails loudly.
-_NOT_YET: dict[str, dict[str, Any]] = {
-    "compression": {},
+#: Every key the parser accepts, by table: the one list, used by the parser's own key checks (an unknown key is an
+#: error naming it) and by the configuration reference (docs/configuration.md, kept in step by
+#: tests/test_config_reference.py). "" is the document's top level; "datacenters" and "link_faults" are the keys of
+#: each [[datacenters]] / [[link_faults]] table; "datacenters.link" those of a link given as a table;
+#: "run.deadline", "workload.partition" and "strategy.tau" those of the inline tables of that name.
+CONFIG_KEYS: dict[str, frozenset[str]] = {
+    "": frozenset({"run", "workload", "strategy", "datacenters", "link_faults", "compression", "security", "checkpoint"}),
+    "run": frozenset({"name", "rounds", "seed", "eval_every", "min_replies", "round_timeout_s", "deadline"}),
+    "run.deadline": frozenset({"floor_s", "ceiling_s", "k_mad", "window", "min_history"}),
+    "workload": frozenset({"dataset", "model", "model_args", "partition", "batch_size", "optimizer", "lr", "precision"}),
+    "workload.partition": frozenset({"kind", "alpha"}),
+    "strategy": frozenset({"name", "tau", "params"}),
+    "strategy.tau": frozenset({"start", "end", "warmup_rounds", "kind"}),
+    "datacenters": frozenset({"name", "workers", "link", "speed", "region"}),
+    "datacenters.link": frozenset({"profile", "bandwidth_mbps", "rtt_ms", "jitter_ms"}),
+    "link_faults": frozenset({"datacenter", "after_round", "kind", "cut_s"}),
+    "compression": frozenset({"codecs", "downlink_codecs"}),
+    "security": frozenset({"robust_aggregation", "trim_fraction", "norm_rejection_factor", "max_update_mb"}),
+    "checkpoint": frozenset({"every_rounds", "dir", "keep"}),
 }
-_NOT_YET_RUN_KEYS: set[str] = set()
+
+#: Keys of the documented format whose feature belongs to later work, by table, with their neutral value: they are
+#: in CONFIG_KEYS (so they are documented), and any other value fails with "not implemented yet". None at present.
+NOT_YET: dict[str, dict[str, Any]] = {}
 
 
-def _check_keys(table: dict[str, Any], allowed: set[str], where: str) -> None:
+def _check_keys(table: dict[str, Any], name: str, where: str) -> None:
+    """Refuse a key of `table` (the config's table `name`, a key of CONFIG_KEYS, spelt `where` in messages) that
+    the parser does not accept, and a not-yet-built key set to anything but its neutral value."""
+    allowed = CONFIG_KEYS[name]
     for key in table:
         if key not in allowed:
             close = difflib.get_close_matches(key, sorted(allowed), n=1)
             hint = f" (did you mean '{close[0]}'?)" if close else ""
             known = ", ".join(sorted(allowed))
             raise ConfigError(f"unknown key '{where}{key}'{hint}; known keys here: {known}")
+    for key, neutral in NOT_YET.get(name, {}).items():
+        if key in table and table[key] != neutral:
+            raise ConfigError(f"'{where}{key}' is not implemented yet")
 
 
 def _table(doc: dict[str, Any], name: str, required: bool) -> dict[str, Any]:
@@ -212,9 +238,7 @@ def _positive(value: float, key: str, allow_zero: bool = False) -> None:
 
 def _parse_run(doc: dict[str, Any]) -> RunSection:
     t = _table(doc, "run", required=True)
-    _check_keys(t, {"name", "rounds", "seed", "eval_every", "min_replies", "round_timeout_s", "deadline"} | _NOT_YET_RUN_KEYS, "run.")
-    for key in _NOT_YET_RUN_KEYS & set(t):
-        raise ConfigError(f"'run.{key}' is not implemented yet")
+    _check_keys(t, "run", "run.")
     name = _typed(t, "name", str, "run.", "crossdc-run")
     rounds = _typed(t, "rounds", int, "run.")
     _positive(rounds, "run.rounds")
@@ -235,7 +259,7 @@ def _parse_run(doc: dict[str, Any]) -> RunSection:
 def _parse_deadline(value: Any) -> DeadlinePolicy:
     if not isinstance(value, dict):
         raise ConfigError("'run.deadline' must be a table: { floor_s = 30, ceiling_s = 3600, k_mad = 4 }")
-    _check_keys(value, {"floor_s", "ceiling_s", "k_mad", "window", "min_history"}, "run.deadline.")
+    _check_keys(value, "run.deadline", "run.deadline.")
     floor = _typed(value, "floor_s", float, "run.deadline.", 30.0)
     ceiling = _typed(value, "ceiling_s", float, "run.deadline.", 3600.0)
     k_mad = _typed(value, "k_mad", float, "run.deadline.", 4.0)
@@ -254,12 +278,12 @@ def _parse_deadline(value: Any) -> DeadlinePolicy:
 
 def _parse_workload(doc: dict[str, Any]) -> WorkloadSection:
     t = _table(doc, "workload", required=True)
-    _check_keys(t, {"dataset", "model", "model_args", "partition", "batch_size", "optimizer", "lr", "precision"}, "workload.")
+    _check_keys(t, "workload", "workload.")
     precision = _typed(t, "precision", str, "workload.", "fp32")
     if precision not in ("fp32", "bf16"):
         raise ConfigError(f"'workload.precision' must be 'fp32' or 'bf16', got {precision!r}")
     partition = _typed(t, "partition", dict, "workload.", {"kind": "iid"})
-    _check_keys(partition, {"kind", "alpha"}, "workload.partition.")
+    _check_keys(partition, "workload.partition", "workload.partition.")
     if "kind" not in partition:
         raise ConfigError("missing key 'workload.partition.kind'")
     batch_size = _typed(t, "batch_size", int, "workload.", 32)
@@ -268,7 +292,7 @@ def _parse_workload(doc: dict[str, Any]) -> WorkloadSection:
     _positive(lr, "workload.lr")
     return WorkloadSection(
         dataset=_typed(t, "dataset", str, "workload."),
-        model=_typed(t, "model", str, "workload."),
+        model=_typed(t, "model", str, "workload.", None),
         model_args=dict(_typed(t, "model_args", dict, "workload.", {})),
         partition=dict(partition),
         batch_size=batch_size,
@@ -285,7 +309,7 @@ def _parse_tau(value: Any) -> TauSchedule:
         return TauSchedule(start=value, end=value, warmup_rounds=0)
     if not isinstance(value, dict):
         raise ConfigError(f"'strategy.tau' must be an integer or a table {{ start, end, warmup_rounds }}, got {value!r}")
-    _check_keys(value, {"start", "end", "warmup_rounds", "kind"}, "strategy.tau.")
+    _check_keys(value, "strategy.tau", "strategy.tau.")
     start = _typed(value, "start", int, "strategy.tau.")
     end = _typed(value, "end", int, "strategy.tau.", start)
     warmup = _typed(value, "warmup_rounds", int, "strategy.tau.", 0)
@@ -300,7 +324,7 @@ def _parse_tau(value: Any) -> TauSchedule:
 
 def _parse_strategy(doc: dict[str, Any]) -> StrategySection:
     t = _table(doc, "strategy", required=True)
-    _check_keys(t, {"name", "tau", "params"}, "strategy.")
+    _check_keys(t, "strategy", "strategy.")
     return StrategySection(
         name=_typed(t, "name", str, "strategy."),
         tau=_parse_tau(t.get("tau", 1)),
@@ -317,7 +341,7 @@ def _parse_link(value: Any, where: str) -> LinkSpec | None:
         return LINK_PROFILES[value]
     if not isinstance(value, dict):
         raise ConfigError(f"'{where}' must be a profile name or a table {{ bandwidth_mbps, rtt_ms, jitter_ms }}")
-    _check_keys(value, {"profile", "bandwidth_mbps", "rtt_ms", "jitter_ms"}, where + ".")
+    _check_keys(value, "datacenters.link", where + ".")
     base = _parse_link(value["profile"], where + ".profile") if "profile" in value else None
     bandwidth = _typed(value, "bandwidth_mbps", float, where + ".", base.bandwidth_mbps if base else dataclasses.MISSING)
     rtt = _typed(value, "rtt_ms", float, where + ".", base.rtt_ms if base else dataclasses.MISSING)
@@ -339,7 +363,7 @@ def _parse_datacenters(doc: dict[str, Any]) -> tuple[DatacenterSection, ...]:
     seen: set[str] = set()
     for index, t in enumerate(items):
         where = f"datacenters[{index}]."
-        _check_keys(t, {"name", "workers", "link", "speed", "region"}, where)
+        _check_keys(t, "datacenters", where)
         name = _typed(t, "name", str, where)
         if not _NAME_RE.match(name):
             raise ConfigError(f"datacenter name {name!r} must be lower-case letters, digits and '-' (at most 63)")
@@ -366,7 +390,7 @@ def _parse_link_faults(doc: dict[str, Any], datacenters: tuple[DatacenterSection
     faults = []
     for index, t in enumerate(items):
         where = f"link_faults[{index}]."
-        _check_keys(t, {"datacenter", "after_round", "kind", "cut_s"}, where)
+        _check_keys(t, "link_faults", where)
         name = _typed(t, "datacenter", str, where)
         if name not in names:
             raise ConfigError(f"'{where}datacenter' = {name!r} is not a configured datacenter ({', '.join(names)})")
@@ -380,9 +404,6 @@ def _parse_link_faults(doc: dict[str, Any], datacenters: tuple[DatacenterSection
             _positive(cut_s, where + "cut_s")
         faults.append(LinkFault(datacenter=name, after_round=after, kind=kind, cut_s=cut_s))
     return tuple(faults)
-
-
-_BUILT_KEYS: dict[str, set[str]] = {"compression": {"codecs", "downlink_codecs"}}
 
 
 def _codec_list(t: dict[str, Any], key: str) -> tuple[str, ...]:
@@ -402,12 +423,13 @@ def _codec_list(t: dict[str, Any], key: str) -> tuple[str, ...]:
 
 def _parse_compression(doc: dict[str, Any]) -> CompressionSection:
     t = _table(doc, "compression", required=False)
+    _check_keys(t, "compression", "compression.")
     return CompressionSection(_codec_list(t, "codecs"), _codec_list(t, "downlink_codecs"))
 
 
 def _parse_security(doc: dict[str, Any]) -> SecuritySection:
     t = _table(doc, "security", required=False)
-    _check_keys(t, {"robust_aggregation", "trim_fraction", "norm_rejection_factor", "max_update_mb"}, "security.")
+    _check_keys(t, "security", "security.")
     kind = _typed(t, "robust_aggregation", str, "security.", "none")
     if kind not in ROBUST_AGGREGATIONS:
         known = ", ".join(f'"{k}"' for k in ROBUST_AGGREGATIONS)
@@ -430,7 +452,7 @@ def _parse_security(doc: dict[str, Any]) -> SecuritySection:
 
 def _parse_checkpoint(doc: dict[str, Any]) -> CheckpointSection:
     t = _table(doc, "checkpoint", required=False)
-    _check_keys(t, {"every_rounds", "dir", "keep"}, "checkpoint.")
+    _check_keys(t, "checkpoint", "checkpoint.")
     every = _typed(t, "every_rounds", int, "checkpoint.", 0)
     keep = _typed(t, "keep", int, "checkpoint.", 3)
     directory = _typed(t, "dir", str, "checkpoint.", "checkpoints/")
@@ -443,21 +465,11 @@ def _parse_checkpoint(doc: dict[str, Any]) -> CheckpointSection:
     return CheckpointSection(every_rounds=every, dir=directory, keep=keep)
 
 
-def _parse_not_yet(doc: dict[str, Any]) -> None:
-    for section, neutral in _NOT_YET.items():
-        t = {k: v for k, v in _table(doc, section, required=False).items() if k not in _BUILT_KEYS.get(section, set())}
-        _check_keys(t, set(neutral) | _BUILT_KEYS.get(section, set()), f"{section}.")
-        for key, value in t.items():
-            if value != neutral[key]:
-                raise ConfigError(f"'{section}.{key}' is not implemented yet")
-
-
 def parse_config(doc: dict[str, Any]) -> ExperimentConfig:
     """Validate a parsed TOML document and return the typed config."""
     if not isinstance(doc, dict):
         raise ConfigError("a config must be a TOML document of tables")
-    _check_keys(doc, {"run", "workload", "strategy", "datacenters", "link_faults", "security", "checkpoint", *_NOT_YET}, "")
-    _parse_not_yet(doc)
+    _check_keys(doc, "", "")
     run = _parse_run(doc)
     datacenters = _parse_datacenters(doc)
     batch_size = _parse_workload(doc).batch_size

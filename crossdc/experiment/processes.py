@@ -47,7 +47,7 @@ def free_port(host: str = "127.0.0.1") -> int:
         return int(probe.getsockname()[1])
 
 
-def wait_for_port(host: str, port: int, timeout_s: float, alive: "ManagedProcess | None" = None) -> None:
+def wait_for_port(host: str, port: int, timeout_s: float, alive: ManagedProcess | None = None) -> None:
     """Block until something accepts connections on (host, port); fail early if `alive` dies."""
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:
@@ -75,7 +75,8 @@ class ProcessGroup:
     def __init__(self) -> None:
         self.processes: list[ManagedProcess] = []
 
-    def start(self, name: str, command: list[str], log_path: Path, env: dict[str, str] | None = None, cwd: Path | None = None) -> ManagedProcess:
+    def start(self, name: str, command: list[str], log_path: Path, env: dict[str, str] | None = None,
+              cwd: Path | None = None) -> ManagedProcess:
         log_path.parent.mkdir(parents=True, exist_ok=True)
         log_file = open(log_path, "ab")
         process = subprocess.Popen(

@@ -106,7 +106,8 @@ def discover_datacenters(grid: Grid, config: ExperimentConfig, runlog: RunLog, r
         if name in mapping:
             raise FederationError(f"two SuperNodes claim to be datacenter '{name}'")
         if name not in names:
-            runlog.log_event(run_id=run_id, kind="unknown-datacenter", detail=f"node {reply.message.metadata.src_node_id} says it is '{name}'")
+            runlog.log_event(run_id=run_id, kind="unknown-datacenter",
+                             detail=f"node {reply.message.metadata.src_node_id} says it is '{name}'")
             continue
         mapping[name] = reply.message.metadata.src_node_id
     missing = [n for n in names if n not in mapping]

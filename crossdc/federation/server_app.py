@@ -11,8 +11,8 @@ from pathlib import Path
 from flwr.app import Context
 from flwr.serverapp import Grid, ServerApp
 
-from crossdc.federation.sync_loop import run_federation
 from crossdc.experiment.rundir import RunDir
+from crossdc.federation.sync_loop import run_federation
 from crossdc.protocol import RUN_DIR
 
 app = ServerApp()

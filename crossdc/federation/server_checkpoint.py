@@ -66,7 +66,7 @@ class ServerCheckpointer:
     oldest_round: int = 0
 
     @classmethod
-    def from_settings(cls, settings: dict[str, Any], every: int, keep: int, rounds: int) -> "ServerCheckpointer | None":
+    def from_settings(cls, settings: dict[str, Any], every: int, keep: int, rounds: int) -> ServerCheckpointer | None:
         """The run's checkpointer, or None when checkpoints are off (no URL in the settings or every = 0)."""
         url = settings.get(SETTINGS_URL)
         if not url or every <= 0:

@@ -37,8 +37,7 @@ from crossdc.experiment.config import ExperimentConfig, parse_config
 from crossdc.experiment.rundir import RunDir
 from crossdc.federation.deadline import round_deadline
 from crossdc.federation.grid_io import FederationError, collect_replies, discover_datacenters, rediscover
-from crossdc.federation.server_checkpoint import (SETTINGS_ATTEMPT, SETTINGS_RESUME, ResumeError, ServerCheckpointer,
-                                                  loop_state, restore_rng)
+from crossdc.federation.server_checkpoint import SETTINGS_ATTEMPT, SETTINGS_RESUME, ResumeError, ServerCheckpointer, loop_state, restore_rng
 from crossdc.federation.session import RoundSession
 from crossdc.protocol import payload_bytes
 from crossdc.strategies.base import Strategy
@@ -84,14 +83,19 @@ def run_federation(grid: Grid, run_dir: RunDir) -> dict[str, Any]:
 
 def start_session(grid: Grid, run_dir: RunDir, run_id: str, config: ExperimentConfig, runlog: RunLog,
                   ready_detail: Callable[[Strategy], dict[str, Any]] | None = None) -> tuple[RoundSession, dict[str, int]]:
-    """The run's session and its datacenters' nodes: discovered, seen, announced (``federation-ready``, with what
-    `ready_detail` of the run's strategy adds; it may refuse the strategy by raising)."""
+    """The run's session and its datacenters' nodes: discovered, seen (with their configured links: a datacenter
+    without one keeps what it enrolled with), announced (``federation-ready``, with what `ready_detail` of the run's
+    strategy adds; it may refuse the strategy by raising)."""
     runlog.add_flower_run_id(run_id=run_id, flower_run_id=int(grid.run.run_id))
     session = RoundSession(config, run_id, runlog, run_dir)
     extra = ready_detail(session.strategy) if ready_detail is not None else {}
     nodes = discover_datacenters(grid, config, runlog, run_id)
+    links = {dc.name: dc.link for dc in config.datacenters}
     for name in nodes:
-        runlog.touch_datacenter(name=name, region=session.regions[name])
+        link = links[name]
+        runlog.touch_datacenter(name=name, region=session.regions[name],
+                                link_bandwidth_mbps=link.bandwidth_mbps if link is not None else None,
+                                link_rtt_ms=link.rtt_ms if link is not None else None)
     runlog.log_event(run_id=run_id, kind="federation-ready", round=0, detail={"datacenters": sorted(nodes), **extra})
     return session, nodes
 
@@ -158,7 +162,7 @@ def _run(grid: Grid, run_dir: RunDir, run_id: str, config: ExperimentConfig, run
             bytes_down[name] = payload_bytes(content)
         pushed_at = time.time()
         ids = list(grid.push_messages(list(messages.values())))
-        id_of = dict(zip(messages, ids))
+        id_of = dict(zip(messages, ids, strict=True))
         replies = collect_replies(grid, ids, timeout_s)
         if policy is not None and len(replies) < needed and timeout_s < policy.ceiling_s:
             # too few replies by the adaptive deadline: wait on, up to the ceiling, rather than fail the run

@@ -116,7 +116,7 @@ class Judged:
     worker_pids: tuple[int, ...] | None = None  # the datacenter's worker group, rank 0 first
     replied: bool = True  # False: nothing came from the datacenter (timeout, expired message)
 
-    def rejected(self, reason: str) -> "Judged":
+    def rejected(self, reason: str) -> Judged:
         """This accepted outcome rejected after all, by a check of the whole round (norm outliers): no update to
         aggregate; the record keeps its measurements but not what only an aggregated update has (bytes_up_raw,
         num_examples)."""

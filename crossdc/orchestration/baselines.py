@@ -23,11 +23,10 @@ from collections.abc import Callable
 from typing import Any
 
 from crossdc.clients.local_training import LocalTrainer
-from crossdc.workloads import model_weights
 from crossdc.db.runlog import RunLog
-from crossdc.experiment.config import ExperimentConfig
 from crossdc.experiment.builders import build_strategy, build_workload, initial_model
-from crossdc.workloads import evaluate
+from crossdc.experiment.config import ExperimentConfig
+from crossdc.workloads import evaluate, model_weights
 
 BASELINE_KINDS = ("all-workers", "sequential")
 

@@ -4,23 +4,23 @@ from __future__ import annotations
 
 import time
 import uuid
-from pathlib import Path
 from collections.abc import Callable
+from pathlib import Path
 from statistics import median
 from typing import Any
 
 import typer
 from rich.console import Console
-from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+from rich.progress import BarColumn, MofNCompleteColumn, Progress, TaskID, TextColumn, TimeElapsedColumn
 from rich.table import Table
 
 from crossdc.db.engine import absolute_database_url, make_engine, resolve_database_url, safe_url, upgrade
 from crossdc.db.queries import list_datacenter_rounds
-from crossdc.orchestration.baselines import BASELINE_KINDS, gap_to, run_baseline
-from crossdc.experiment.config import load_config, with_rounds
 from crossdc.deployment.background_server import BackgroundServer, start_background, uvicorn_config
-from crossdc.orchestration.local_run import LocalRunOptions, run_local
+from crossdc.experiment.config import load_config, with_rounds
 from crossdc.experiment.processes import PortInUse, ensure_port_free
+from crossdc.orchestration.baselines import BASELINE_KINDS, gap_to, run_baseline
+from crossdc.orchestration.local_run import LocalRunOptions, run_local
 
 QUICK_ROUNDS = 2
 
@@ -71,26 +71,82 @@ def run_demo(config_path: Path, quick: bool, db: str | None, port: int, runs_dir
             server.stop()
 
 
+#: what run_local and run_baseline report after each round: the run's rounds so far
+RoundCallback = Callable[[list[dict[str, Any]]], None]
+
+
+def round_facts(row: dict[str, Any]) -> str:
+    """A finished round in short: ``τ=5 val_loss=0.693 val_acc=51.2% 3.4s`` (what it has of its validation loss,
+    accuracy and seconds)."""
+    parts = [f"τ={row['tau']}"]
+    if row.get("val_loss") is not None:
+        parts.append(f"val_loss={row['val_loss']:.3f}")
+    if row.get("val_accuracy") is not None:
+        parts.append(f"val_acc={100 * row['val_accuracy']:.1f}%")
+    if row.get("wall_s") is not None:
+        parts.append(f"{row['wall_s']:.1f}s")
+    return " ".join(parts)
+
+
+def round_line(label: str, row: dict[str, Any], total: int) -> str:
+    """A finished round as one plain line: ``federation round 2/5: τ=5 val_loss=0.693 val_acc=51.2% 3.4s``."""
+    return f"{label} round {row['round']}/{total}: {round_facts(row)}"
+
+
+class RoundProgress:
+    """The demo's progress, one task per run: rich progress bars on a terminal; on a pipe or a log file (where rich
+    shows nothing until the end) one plain line per finished round instead."""
+
+    def __init__(self, console: Console) -> None:
+        self.console = console
+        self.bars = Progress(TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
+                             TextColumn("{task.fields[status]}"), console=console) if console.is_terminal else None
+        self.tasks: dict[str, TaskID] = {}
+
+    def __enter__(self) -> RoundProgress:
+        if self.bars is not None:
+            self.bars.start()
+        return self
+
+    def __exit__(self, *exc_info: object) -> None:
+        if self.bars is not None:
+            self.bars.stop()
+
+    def track(self, label: str, total: int, status: str = "") -> RoundCallback:
+        """The progress callback of a new task of `total` rounds, shown as `label`, starting with `status`."""
+        if self.bars is None:
+            if status:
+                self.console.print(f"{label}: {status}", markup=False, highlight=False)
+            printed = 0
+
+            def print_rounds(rows: list[dict[str, Any]]) -> None:
+                nonlocal printed  # rounds may arrive several at a time: one line each
+                for row in rows[printed:]:
+                    self.console.print(round_line(label, row, total), markup=False, highlight=False)
+                printed = max(printed, len(rows))
+
+            return print_rounds
+        bars = self.bars
+        task = self.tasks[label] = bars.add_task(label, total=total, status=status)
+        return lambda rows: bars.update(task, completed=len(rows), status=round_facts(rows[-1]))
+
+    def done(self, label: str) -> None:
+        """Mark the task `label` done (its bar says so; plain lines need no more)."""
+        if self.bars is not None:
+            self.bars.update(self.tasks[label], status="done")
+
+
 def _run_and_report(console: Console, config: Any, db_url: str, port: int, runs_dir: Path, dashboard: BackgroundServer | None,
                     keep_serving: bool) -> dict[str, Any]:
     started = time.perf_counter()
-    with Progress(TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
-                  TextColumn("{task.fields[status]}"), console=console) as progress:
-        task = progress.add_task("federation", total=config.run.rounds, status="starting trainers and Flower…")
-
-        def on_round(rows: list[dict[str, Any]]) -> None:
-            row = rows[-1]
-            loss = row.get("val_loss")
-            status = f"τ={row['tau']} val_loss={loss:.3f}" if loss is not None else f"τ={row['tau']}"
-            progress.update(task, completed=len(rows), status=status)
-
+    with RoundProgress(console) as progress:
+        on_round = progress.track("federation", config.run.rounds, status="starting trainers and Flower…")
         federated = run_local(config, LocalRunOptions(db_url=db_url, superlink_port=port, runs_root=runs_dir, progress=on_round)).summary
-        progress.update(task, status="done")
+        progress.done("federation")
         baselines: dict[str, dict[str, Any]] = {}
         for kind in BASELINE_KINDS:
-            bar = progress.add_task(f"{kind} baseline", total=config.run.rounds, status="")
             baselines[kind] = run_baseline(config, kind, db_url, uuid.uuid4().hex,
-                                           progress=lambda rows, bar=bar: progress.update(bar, completed=len(rows)))
+                                           progress=progress.track(f"{kind} baseline", config.run.rounds))
     breakdown = _time_breakdown(db_url, federated["run_id"])
     _print_table(console, config, federated, baselines, breakdown, time.perf_counter() - started)
     if dashboard is not None:
@@ -137,6 +193,7 @@ def _print_table(console: Console, config: Any, federated: dict[str, Any], basel
     comm = breakdown["comm_s"]
     comm_text = "not measured" if comm != comm else f"{comm:.3f}s"
     console.print(f"per datacenter and round (median): round {breakdown['round_s']:.2f}s = compute {breakdown['compute_s']:.2f}s"
-                  f" + communication {comm_text} (measured at the link relay; ratio comm/comp {breakdown['comm_s'] / breakdown['compute_s']:.2f})"
+                  f" + communication {comm_text} (measured at the link relay; "
+                  f"ratio comm/comp {breakdown['comm_s'] / breakdown['compute_s']:.2f})"
                   f" + Flower/process overhead {breakdown['overhead_s']:.2f}s")
     console.print(f"demo wall time {wall_s:.0f}s")

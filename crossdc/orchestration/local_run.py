@@ -26,21 +26,28 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from crossdc import protocol
-from crossdc.clients.channel import TrainerUnavailable, call_trainer
 from sqlalchemy.exc import OperationalError
 
+from crossdc import protocol
+from crossdc.clients.channel import TrainerUnavailable, call_trainer
 from crossdc.db.engine import absolute_database_url, make_engine, upgrade
 from crossdc.db.errors import DatabaseUnavailable
 from crossdc.db.queries import get_run, list_rounds
 from crossdc.db.runlog import RunLog
 from crossdc.experiment.config import ExperimentConfig
-from crossdc.wan.link_relay import LinkRelay
-from crossdc.experiment.processes import (ProcessGroup, ensure_port_free, flower_env, free_port, is_running, kill_processes_with_env,
-                                       venv_bin,
-                                       wait_for_port)
+from crossdc.experiment.processes import (
+    ProcessGroup,
+    ensure_port_free,
+    flower_env,
+    free_port,
+    is_running,
+    kill_processes_with_env,
+    venv_bin,
+    wait_for_port,
+)
 from crossdc.experiment.rundir import RunDir
 from crossdc.federation.server_checkpoint import SETTINGS_ATTEMPT, SETTINGS_RESUME, SETTINGS_URL
+from crossdc.wan.link_relay import LinkRelay
 
 log = logging.getLogger("crossdc.local_run")
 
@@ -186,7 +193,8 @@ class LocalRun:
         node_config = f'{protocol.DATACENTER}="{name}" {protocol.NODE_TRAINER}="{self.run_dir.trainer_socket(name)}"'
         self.processes.start(
             f"supernode-{name}",
-            [venv_bin("flower-supernode"), "--insecure", "--superlink", f"{HOST}:{relay.port}", "--port", str(free_port()), "--node-config", node_config],
+            [venv_bin("flower-supernode"), "--insecure", "--superlink", f"{HOST}:{relay.port}", "--port", str(free_port()),
+             "--node-config", node_config],
             self.run_dir.logs / f"supernode-{name}.log", env=run_env(self.run_dir),
         )
 
@@ -420,7 +428,8 @@ class LocalRun:
                 server_app=make_server_app(self.run_dir),
                 client_app=client_app,
                 num_supernodes=len(self.config.datacenters),
-                backend_config={"client_resources": {"num_cpus": 1, "num_gpus": 0.0}, "init_args": {"num_cpus": actors, "include_dashboard": False}},
+                backend_config={"client_resources": {"num_cpus": 1, "num_gpus": 0.0},
+                                "init_args": {"num_cpus": actors, "include_dashboard": False}},
             )
         except SystemExit as exit_:  # Flower ends the process on some errors (e.g. missing simulation extras)
             raise RunFailed(f"Flower's simulation engine exited with code {exit_.code}; see the log above") from None

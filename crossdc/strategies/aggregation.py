@@ -25,7 +25,7 @@ def weighted_average(updates: Sequence[Arrays], weights: Sequence[float]) -> dic
     result: dict[str, np.ndarray] = {}
     for name in names:
         acc = np.zeros(np.shape(updates[0][name]), dtype=np.float64)
-        for update, weight in zip(updates, weights):
+        for update, weight in zip(updates, weights, strict=True):
             acc += (weight / total) * np.asarray(update[name], dtype=np.float64)
         result[name] = acc.astype(np.float32)
     return result

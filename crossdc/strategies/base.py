@@ -120,8 +120,8 @@ class LocalHooks:
     gradients are complete (with W > 1 ranks: after DistributedDataParallel averaged them) and before the step.
     """
 
-    extra_loss: Callable[["torch.nn.Module"], "torch.Tensor"] | None = None
-    after_backward: Callable[["torch.nn.Module"], None] | None = None
+    extra_loss: Callable[[torch.nn.Module], torch.Tensor] | None = None
+    after_backward: Callable[[torch.nn.Module], None] | None = None
 
 
 @dataclass
@@ -216,13 +216,13 @@ class Strategy(ABC):
             self.check_run(run)
         self.setup()
 
-    def check_run(self, run: RunInfo) -> None:
+    def check_run(self, run: RunInfo) -> None:  # noqa: B027 (a hook: nothing by default)
         """Refuse a run this strategy cannot serve: raise StrategyError naming the strategy and the key. Nothing by
         default. Called by the constructor when it is given a run (before any process starts, `crossdc run`, and
         again in every trainer), with :attr:`params`, :attr:`schedule` and :attr:`run` already set; an override
         calls ``super().check_run(run)``."""
 
-    def setup(self) -> None:
+    def setup(self) -> None:  # noqa: B027 (a hook: nothing by default)
         """Create the strategy's own state; called last by the constructor, with :attr:`params`, :attr:`schedule`,
         :attr:`run` and the robust aggregation set. Nothing by default (state may also be a class-level default,
         e.g. ``velocity = None``, replaced rather than mutated); an override calls ``super().setup()``."""
@@ -269,7 +269,7 @@ class Strategy(ABC):
         """Server-side state to checkpoint (none by default)."""
         return {}
 
-    def load_state_dict(self, state: Mapping[str, Any]) -> None:
+    def load_state_dict(self, state: Mapping[str, Any]) -> None:  # noqa: B027 (a hook: nothing by default)
         """Restore what :meth:`state_dict` returned."""
 
     # -- datacenter half (runs in the datacenter's trainer) ------------------------------------
@@ -281,7 +281,7 @@ class Strategy(ABC):
         if none yet). Nothing by default."""
         return {}
 
-    def local_hooks(self, plan: Mapping[str, Any], global_weights: Arrays, model: "torch.nn.Module") -> LocalHooks:
+    def local_hooks(self, plan: Mapping[str, Any], global_weights: Arrays, model: torch.nn.Module) -> LocalHooks:
         """Every local rank: the hooks of this round's steps, built from the plan (none by default)."""
         return LocalHooks()
 

@@ -27,7 +27,7 @@ from crossdc.strategies.base import Arrays, ClientUpdate, Parameter, RunInfo, St
 def fedbuff_step(global_weights: Arrays, deltas: Sequence[Arrays], scales: Sequence[float],
                  num_examples: Sequence[int]) -> dict[str, np.ndarray]:
     """FedBuff's server update as a pure function: x + Σ_k n_k·(scale_k·Δ_k) / Σ_k n_k (float32)."""
-    return add(global_weights, weighted_average([scaled(d, s) for d, s in zip(deltas, scales)], num_examples))
+    return add(global_weights, weighted_average([scaled(d, s) for d, s in zip(deltas, scales, strict=True)], num_examples))
 
 
 class FedBuff(AsyncStrategy):

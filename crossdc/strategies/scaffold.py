@@ -39,9 +39,9 @@ import numpy as np
 import torch
 
 from crossdc.protocol import CONTROL_KEY
-from crossdc.strategies.aggregation import l2_norm, mean as plain_mean, scaffold_client_control, scaffold_server_step, subtract, total_sum
-from crossdc.strategies.base import (Arrays, ClientUpdate, LocalContext, LocalHooks, LocalResult, Parameter, RunInfo,
-                                     Strategy, StrategyError)
+from crossdc.strategies.aggregation import l2_norm, scaffold_client_control, scaffold_server_step, subtract, total_sum
+from crossdc.strategies.aggregation import mean as plain_mean
+from crossdc.strategies.base import Arrays, ClientUpdate, LocalContext, LocalHooks, LocalResult, Parameter, RunInfo, Strategy, StrategyError
 
 #: state-store key of a datacenter's control variate c_i ({tensor name: float32 array})
 CLIENT_CONTROL_KEY = "scaffold-control"

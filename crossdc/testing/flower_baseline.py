@@ -29,11 +29,10 @@ from flwr.serverapp.strategy import FedAvg
 
 from crossdc import protocol as proto
 from crossdc.clients.local_training import LocalTrainer
-from crossdc.workloads import load_model_weights, model_weights
-from crossdc.protocol import payload_bytes
-from crossdc.experiment.config import ExperimentConfig, parse_config
 from crossdc.experiment.builders import build_workload, datacenter_seed, initial_model
-from crossdc.workloads import Workload, evaluate
+from crossdc.experiment.config import ExperimentConfig, parse_config
+from crossdc.protocol import payload_bytes
+from crossdc.workloads import Workload, evaluate, load_model_weights, model_weights
 
 #: train-config keys the server sends (besides FedAvg's own "server-round")
 EXPERIMENT_KEY = "crossdc-experiment"

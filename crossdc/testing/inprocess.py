@@ -30,8 +30,15 @@ from crossdc.clients.local_training import LocalTrainer
 from crossdc.clients.state_store import DatacenterStateStore
 from crossdc.compression.downlink import receive
 from crossdc.experiment.builders import datacenter_seed
-from crossdc.experiment.config import (CompressionSection, DatacenterSection, ExperimentConfig, RunSection, SecuritySection,
-                                       StrategySection, WorkloadSection)
+from crossdc.experiment.config import (
+    CompressionSection,
+    DatacenterSection,
+    ExperimentConfig,
+    RunSection,
+    SecuritySection,
+    StrategySection,
+    WorkloadSection,
+)
 from crossdc.federation.session import RoundSession
 from crossdc.protocol import TrainRequest, payload_bytes, reply_content
 from crossdc.strategies.base import ClientUpdate, Strategy
@@ -77,7 +84,7 @@ class InProcessFederation:
         self.server_round = 0
 
     @classmethod
-    def from_config(cls, config: ExperimentConfig, state_root: str | Path, run_id: str = "inprocess") -> "InProcessFederation":
+    def from_config(cls, config: ExperimentConfig, state_root: str | Path, run_id: str = "inprocess") -> InProcessFederation:
         """The experiment as `crossdc run` builds it: same workload, strategy, initial weights and data-order seeds."""
         return cls(config, state_root, run_id)
 
@@ -85,7 +92,7 @@ class InProcessFederation:
     def from_parts(cls, workload: Workload, strategy: Strategy, datacenters: Sequence[str], batch_size: int,
                    optimizer: str, lr: float, seeds: Mapping[str, int], state_root: str | Path,
                    initial_weights: Mapping[str, np.ndarray], run_id: str = "inprocess", codecs: Sequence[str] = (),
-                   downlink_codecs: Sequence[str] = (), security: SecuritySection = SecuritySection()) -> "InProcessFederation":
+                   downlink_codecs: Sequence[str] = (), security: SecuritySection = SecuritySection()) -> InProcessFederation:
         """A federation of pieces built by hand (a strategy under test, a workload of the test's own): the config
         says the rest. `security` gives the size limit and the norm-outlier factor; robust aggregation is the
         strategy's own."""

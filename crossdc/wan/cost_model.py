@@ -232,7 +232,8 @@ def flower_round_trips(bytes_down: float, bytes_up: float, tensors: int = 1, *,
     The idle polls before the message arrives (a PullMessages every 3 s, :263) are waiting, i.e.
     overhead, not communication; heartbeats run on their own thread every 30 s, off the critical path.
     `tensors` and `records` describe each message (crossdc's: one packed Array, three records; Flower's
-    FedAvg: one Array per model tensor, two records). Counting ⌈n/c⌉ RTTs for n objects assumes the c requests advance in lock-step, which makes
+    FedAvg: one Array per model tensor, two records). Counting ⌈n/c⌉ RTTs for n objects assumes the c requests advance in
+    lock-step, which makes
     comm = transfer + k·RTT an upper estimate when a chunk's transfer is long compared with the RTT.
     """
     _positive_int("concurrency", concurrency)
@@ -433,7 +434,7 @@ def tau_for_ratio(plan: StarPlan, target: float = DEFAULT_TARGET_RATIO) -> int:
     _positive("target ratio", target)
     base = star_round(replace(plan, tau=1))
     need = max(dc_est.comm_s * dc.speed / (plan.step_time_s * target)
-               for dc_est, dc in zip(base.datacenters, plan.datacenters))
+               for dc_est, dc in zip(base.datacenters, plan.datacenters, strict=True))
     tau = max(1, math.ceil(need))
 
     def ok(t: int) -> bool:

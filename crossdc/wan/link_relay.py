@@ -105,7 +105,7 @@ class LinkRelay:
         self._restore: asyncio.TimerHandle | None = None
 
     # ------------------------------------------------------------------ control
-    def start(self) -> "LinkRelay":
+    def start(self) -> LinkRelay:
         self.ledger_path.parent.mkdir(parents=True, exist_ok=True)
         self._ledger = open(self.ledger_path, "a", buffering=1)
         self._thread.start()

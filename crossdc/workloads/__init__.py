@@ -15,8 +15,16 @@ from crossdc.workloads.errors import WorkloadError
 from crossdc.workloads.partition import dirichlet_partition, iid_partition, natural_partition
 
 if TYPE_CHECKING:
-    from crossdc.workloads.base import (OPTIMIZERS, TensorWorkload, Workload, WorkloadSpec, evaluate, load_model_weights,
-                                       make_optimizer, model_weights)
+    from crossdc.workloads.base import (
+        OPTIMIZERS,
+        TensorWorkload,
+        Workload,
+        WorkloadSpec,
+        evaluate,
+        load_model_weights,
+        make_optimizer,
+        model_weights,
+    )
     from crossdc.workloads.images import DigitsWorkload, Mnist1dWorkload
     from crossdc.workloads.registry import available_workloads, load_workload, register_workload
     from crossdc.workloads.shakespeare import ShakespeareWorkload
@@ -40,7 +48,12 @@ _LAZY = {
     "SyntheticWorkload": "crossdc.workloads.synthetic",
 }
 
-__all__ = sorted(["WorkloadError", "dirichlet_partition", "iid_partition", "natural_partition", *_LAZY])
+__all__ = [  # every name the package offers (the lazy ones load on first use)
+    "DigitsWorkload", "Mnist1dWorkload", "OPTIMIZERS", "ShakespeareWorkload", "SyntheticWorkload", "TensorWorkload",
+    "Workload", "WorkloadError", "WorkloadSpec", "available_workloads", "dirichlet_partition", "evaluate",
+    "iid_partition", "load_model_weights", "load_workload", "make_optimizer", "model_weights", "natural_partition",
+    "register_workload",
+]
 
 
 def __getattr__(name: str) -> Any:

@@ -8,6 +8,7 @@ validation set and (under the same ``torch.manual_seed``) identical models.
 from __future__ import annotations
 
 import abc
+import dataclasses
 import math
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
@@ -47,6 +48,7 @@ _PARTITION_KEYS = ("alpha", "kind")
 class WorkloadSpec:
     """The ``[workload]`` table of the experiment config.
 
+    ``model`` None means the workload's default model (:meth:`Workload.default_model_name`).
     ``partition`` is ``{"kind": "natural" | "iid" | "dirichlet", "alpha": float}``
     (``alpha`` only, and always, for ``"dirichlet"``). The dicts are copied on
     construction so later edits to the caller's dicts do not leak in.
@@ -55,7 +57,7 @@ class WorkloadSpec:
     """
 
     dataset: str
-    model: str
+    model: str | None = None
     model_args: dict[str, Any] = field(default_factory=dict)
     partition: dict[str, Any] = field(default_factory=lambda: {"kind": "iid"})
     batch_size: int = 32
@@ -87,18 +89,25 @@ class Workload(abc.ABC):
     """A dataset + model family. Built once per process from (spec, datacenter names, seed); deterministic given those.
 
     Subclasses set ``name`` (the dataset key), ``models`` and ``partitions``
-    (the kinds they support), and ``model_defaults``: for each model, its
-    accepted ``model_args`` keys with their default values (all positive
-    integers). ``__init__`` checks the spec against these and raises
-    WorkloadError; the resolved arguments are in ``self.model_args``.
+    (the kinds they support), ``default_model`` (the model of a spec without
+    one; None: the only entry of ``models``, if there is just one), and
+    ``model_defaults``: for each model, its accepted ``model_args`` keys with
+    their default values (all positive integers). ``__init__`` resolves the
+    default model, checks the spec against these and raises WorkloadError;
+    ``self.spec`` carries the resolved model, ``self.model_args`` the resolved
+    arguments.
     """
 
     name: ClassVar[str]
     models: ClassVar[tuple[str, ...]]
+    #: the model of a config that names none (``workload.model`` left out); None: the only model, if just one
+    default_model: ClassVar[str | None] = None
     partitions: ClassVar[tuple[str, ...]]
     model_defaults: ClassVar[Mapping[str, Mapping[str, int]]] = {}
 
     def __init__(self, spec: WorkloadSpec, datacenters: list[str], seed: int) -> None:
+        if spec.model is None:
+            spec = dataclasses.replace(spec, model=self.default_model_name())
         self.spec = spec
         self.datacenters: tuple[str, ...] = self._check_datacenters(datacenters)
         if not _is_int(seed) or seed < 0:
@@ -110,6 +119,17 @@ class Workload(abc.ABC):
         self.partition_kind, self.alpha = self._check_partition(spec.partition)
         self.model_args: dict[str, int] = self._resolve_model_args(spec.model, spec.model_args)
         self._check_model_args()
+
+    @classmethod
+    def default_model_name(cls) -> str:
+        """The model a spec without one gets: ``default_model``, else the only entry of ``models``; WorkloadError
+        when the workload has several models and declares no default."""
+        if cls.default_model is not None:
+            return cls.default_model
+        if len(cls.models) == 1:
+            return cls.models[0]
+        raise WorkloadError(f"dataset {cls.name!r} has no default model: set workload.model to one of "
+                            f"{_known(cls.models)}")
 
     # -- the interface -------------------------------------------------------
 
@@ -188,7 +208,7 @@ class Workload(abc.ABC):
             defaults[key] = int(value)
         return defaults
 
-    def _check_model_args(self) -> None:
+    def _check_model_args(self) -> None:  # noqa: B027 (a hook: nothing by default)
         """Hook for checks across ``self.model_args`` (runs before any data are loaded); raise WorkloadError."""
 
     def _check_datacenter(self, datacenter: str) -> int:

@@ -71,6 +71,7 @@ class DigitsWorkload(ClassificationWorkload):
 
     name: ClassVar[str] = "digits"
     models: ClassVar[tuple[str, ...]] = ("mlp",)
+    default_model: ClassVar[str] = "mlp"
     model_defaults: ClassVar[dict[str, dict[str, int]]] = {"mlp": _MLP_DEFAULTS}
     num_classes: ClassVar[int] = 10
 
@@ -87,6 +88,7 @@ class Mnist1dWorkload(ClassificationWorkload):
 
     name: ClassVar[str] = "mnist1d"
     models: ClassVar[tuple[str, ...]] = ("mlp", "cnn1d")
+    default_model: ClassVar[str] = "mlp"
     model_defaults: ClassVar[dict[str, dict[str, int]]] = {"mlp": _MLP_DEFAULTS, "cnn1d": {"channels": 32}}
     num_classes: ClassVar[int] = 10
 

@@ -90,7 +90,7 @@ def dirichlet_partition(
             if not np.all(np.isfinite(proportions)):  # underflow at tiny alpha: redraw
                 break
             cuts = (np.cumsum(proportions)[:-1] * len(shuffled)).astype(np.int64)
-            for part, piece in zip(chunks, np.split(shuffled, cuts)):
+            for part, piece in zip(chunks, np.split(shuffled, cuts), strict=True):
                 part.append(piece)
         else:
             parts = [np.sort(np.concatenate(part)) for part in chunks]

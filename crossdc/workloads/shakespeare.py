@@ -162,6 +162,7 @@ class ShakespeareWorkload(TensorWorkload):
 
     name: ClassVar[str] = "shakespeare"
     models: ClassVar[tuple[str, ...]] = ("char-transformer",)
+    default_model: ClassVar[str] = "char-transformer"
     partitions: ClassVar[tuple[str, ...]] = ("natural", "iid")
     model_defaults: ClassVar[dict[str, dict[str, int]]] = {
         "char-transformer": {"seq_len": 64, "layers": 2, "d_model": 64, "heads": 4}

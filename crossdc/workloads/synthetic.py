@@ -56,6 +56,7 @@ class SyntheticWorkload(ClassificationWorkload):
 
     name: ClassVar[str] = "synthetic"
     models: ClassVar[tuple[str, ...]] = ("linear", "mlp")
+    default_model: ClassVar[str] = "linear"
     model_defaults: ClassVar[dict[str, dict[str, int]]] = {"linear": {}, "mlp": {"hidden": 64, "layers": 2}}
     num_classes: ClassVar[int] = CLASSES
 

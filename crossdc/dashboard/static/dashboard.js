@@ -4,7 +4,8 @@
 // A run page also carries <script id="live-data"> ({url, version, running, interval_ms}):
 // while the run runs, it asks url?version=V every interval_ms; when the answer says
 // "changed", it redraws the figures with Plotly.react and swaps the page fragments
-// (headline, tables) in place, without a reload. It stops once the run stops running.
+// (headline, tables) in place, without a reload (unless the answer brings a chart the page
+// does not have yet: then it reloads once). It stops once the run stops running.
 (function () {
   "use strict";
 
@@ -45,6 +46,12 @@
   }
 
   function apply(update) {
+    // A chart the page has no place for yet (an asynchronous run's staleness charts, once it has staleness):
+    // load the page again to lay it out.
+    if (update.figures && Object.keys(update.figures).some(function (id) { return !document.getElementById(id); })) {
+      window.location.reload();
+      return;
+    }
     if (update.fragments) {
       Object.keys(update.fragments).forEach(function (id) {
         var el = document.getElementById(id);
