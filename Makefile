@@ -29,13 +29,16 @@ lint: venv
 	$(BIN)/mypy
 
 # The suite runs on PYTEST_WORKERS processes (pytest-xdist), one test file per worker at a time: most end-to-end
-# tests wait on Flower's polls and the emulated links, not on the CPU.
+# tests wait on Flower's polls and the emulated links, not on the CPU. Tests marked `serial` assert paces and
+# deadlines on the wall clock: they run afterwards, alone.
 PYTEST_WORKERS ?= 3
 test: venv lint
-	$(BIN)/pytest -q -n $(PYTEST_WORKERS) --dist loadfile --durations=20 -p no:cacheprovider
+	$(BIN)/pytest -q -n $(PYTEST_WORKERS) --dist loadfile -m "not serial" --durations=20 -p no:cacheprovider
+	$(BIN)/pytest -q -m serial --durations=5 -p no:cacheprovider
 
 test-fast: venv
-	$(BIN)/pytest -q -n $(PYTEST_WORKERS) --dist loadfile -m "not deployment" -p no:cacheprovider
+	$(BIN)/pytest -q -n $(PYTEST_WORKERS) --dist loadfile -m "not deployment and not serial" -p no:cacheprovider
+	$(BIN)/pytest -q -m "serial and not deployment" -p no:cacheprovider
 
 bench-wan: venv
 	$(BIN)/python benchmarks/wan_benchmark.py

@@ -27,6 +27,9 @@ from crossdc.experiment.config import load_config, parse_config
 from crossdc.orchestration.local_run import LocalRunOptions, LocalRunResult, run_local
 from crossdc.workloads import evaluate, model_weights
 
+#: these tests assert paces and deadlines on the wall clock: they run alone, after the parallel part of the suite
+pytestmark = pytest.mark.serial
+
 CONFIG = Path(__file__).resolve().parents[1] / "examples" / "synthetic-2dc.toml"
 MAX_STALENESS = 4
 SPEED_RATIO = 5  # fast / slow

@@ -178,6 +178,7 @@ def test_merge_rows_of_one_datacenter_at_one_version() -> None:
 # -- speed emulation ---------------------------------------------------------------------------
 
 
+@pytest.mark.serial  # asserts a pace on the wall clock: runs alone, after the parallel part of the suite
 def test_a_slow_datacenter_takes_one_over_speed_times_as_long_and_counts_it_as_compute(monkeypatch: pytest.MonkeyPatch) -> None:
     doc = {"run": {"rounds": 1}, "workload": {"dataset": "synthetic", "model": "linear", "batch_size": 16},
            "strategy": {"name": "fedavg"}, "datacenters": [{"name": "a"}]}

@@ -15,6 +15,9 @@ from conftest import read_run
 from crossdc.experiment.config import parse_config
 from crossdc.orchestration.local_run import LocalRunOptions, run_local
 
+#: these tests assert paces and deadlines on the wall clock: they run alone, after the parallel part of the suite
+pytestmark = pytest.mark.serial
+
 REPO = Path(__file__).resolve().parents[1]
 SLOW, FAST = "eu-west", "us-east"
 

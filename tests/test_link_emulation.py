@@ -15,6 +15,9 @@ import pytest
 from crossdc.experiment.links import LinkSpec
 from crossdc.wan.link_relay import LedgerReader, LinkRelay, bytes_by_direction, pace, time_in_flight
 
+#: these tests assert paces and deadlines on the wall clock: they run alone, after the parallel part of the suite
+pytestmark = pytest.mark.serial
+
 
 def test_pace_is_the_link_model() -> None:
     # 1 MB on an idle 8 Mbps link with 50 ms one way: sent for 1 s, delivered 50 ms later
