@@ -8,6 +8,7 @@ from __future__ import annotations
 import os
 import shutil
 import subprocess
+import tempfile
 import time
 from pathlib import Path
 from typing import Any
@@ -46,15 +47,18 @@ def resolved_compose(env: dict[str, str]) -> dict[str, Any]:
 class NativeMap:
     """Container paths, service host names and ports, mapped onto this machine."""
 
-    def __init__(self, tmp: Path) -> None:
+    def __init__(self, tmp: Path, state_root: Path | None = None) -> None:
+        """`state_root` holds each service's /var/lib/crossdc (default `tmp`): keep it short, as the container's
+        path is, so that the node's socket stays where its health check looks (a long path moves it to /tmp)."""
         self.paths = {"/certs": tmp / "certs", "/checkpoints": tmp / "checkpoints"}
         self.ports = {"9093": str(free_port()), "9092": str(free_port()), "8443": str(free_port())}
         self.tmp = tmp
+        self.state_root = state_root or tmp
 
     def argument(self, text: str, service: str) -> str:
         for container, host in self.paths.items():
             text = text.replace(container, str(host))
-        text = text.replace("/var/lib/crossdc", str(self.tmp / f"{service}-state"))
+        text = text.replace("/var/lib/crossdc", str(self.state_root / f"{service}-state"))
         for name in ("superlink", "front", "api"):
             text = text.replace(f"{name}:", "127.0.0.1:")
         text = text.replace("localhost:", "127.0.0.1:").replace("0.0.0.0", "127.0.0.1")
@@ -92,7 +96,8 @@ def test_compose_file_is_valid_and_every_service_command_runs(tmp_path: Path, pg
     assert {"pyproject.toml", "alembic.ini", "crossdc", "migrations"} <= set(copied)
     assert all((REPO / source).exists() for source in copied), copied
 
-    native = NativeMap(tmp_path)
+    state_root = Path(tempfile.mkdtemp(prefix="crossdc-compose-"))
+    native = NativeMap(tmp_path, state_root)
     env = {**flower_env(tmp_path / "flwr-home"), "CROSSDC_DATABASE_URL": pg_url, MARKER: str(tmp_path)}
     processes = ProcessGroup()
     control = None
@@ -129,3 +134,4 @@ def test_compose_file_is_valid_and_every_service_command_runs(tmp_path: Path, pg
             control.close()
         processes.stop_all()
         kill_processes_with_env(MARKER, str(tmp_path))
+        shutil.rmtree(state_root, ignore_errors=True)
