@@ -60,7 +60,7 @@ def run_demo(config_path: Path, quick: bool, db: str | None, port: int, runs_dir
     console.print(f"database: {safe_url(db_url)}")
     console.print(f"WAN links, emulated by crossdc's link relay between each SuperNode and the SuperLink: {', '.join(links)}")
     console.print("security: everything on loopback (127.0.0.1), plain HTTP, no TLS and no SuperNode authentication; "
-                  "a real federation enrolls its datacenters (see the README's Production section)")
+                  "a real federation enrolls its datacenters (see docs/deployment.md)")
     server = start_dashboard(db_url, dashboard_port, console, dashboard) if dashboard is not None else None
     if server is not None:
         console.print(f"dashboard: [bold]{server.url}/[/] (live while the demo runs)")
