@@ -272,3 +272,23 @@ def test_in_process_size_limit(tmp_path: Path) -> None:
     result = InProcessFederation.from_config(parse_config(with_security(max_update_mb=1e-4)), tmp_path).run_round()
     assert not result.updates and sorted(result.rejected) == ["ap-south", "eu-west", "us-east"]
     assert all(reason.endswith("exceeds the limit of 100 bytes") for reason in result.rejected.values())
+
+
+class _UndeclaredGroup(FedAvgTau):
+    """Sends a tensor group down that it never declared in client_groups."""
+
+    name = "undeclared-group"
+
+    def client_arrays(self, server_round: int, global_weights: Any) -> dict[str, dict[str, np.ndarray]]:
+        return {"extra": {name: np.zeros_like(value) for name, value in global_weights.items()}}
+
+
+def test_a_tensor_group_sent_down_must_be_declared(tmp_path: Path) -> None:
+    config = parse_config(SYNTHETIC_3DC)
+    run = RunInfo(tuple(config.datacenter_names), config.workload.optimizer, config.workload.lr)
+    fed = InProcessFederation(config, tmp_path, strategy=_UndeclaredGroup(tau=1, run=run))
+    with pytest.raises(StrategyError, match=r"strategy 'undeclared-group' sent the tensor groups \['extra'\] but declares "
+                                            r"client_groups = \(\)"):
+        fed.run_round()
+    declared = type("DeclaredGroup", (_UndeclaredGroup,), {"name": "declared-group", "client_groups": ("extra",)})
+    assert not InProcessFederation(config, tmp_path / "declared", strategy=declared(tau=1, run=run)).run_round().rejected

@@ -39,7 +39,7 @@ from crossdc.federation.grid_io import Reply
 from crossdc.federation.update_gate import GateRules, Judged, judge_content, judge_reply, update_norm_outliers, update_size_limit
 from crossdc.protocol import CONFIG_KEY, encode_tensors, raw_fp32_bytes
 from crossdc.strategies.aggregation import cosine
-from crossdc.strategies.base import Arrays, ClientUpdate, Strategy
+from crossdc.strategies.base import Arrays, ClientUpdate, Strategy, StrategyError
 from crossdc.wan.link_relay import LedgerReader, bytes_by_direction, payload_transfers, time_in_flight
 from crossdc.workloads import Workload, evaluate, load_model_weights, model_weights
 
@@ -99,11 +99,16 @@ class RoundSession:
     # ------------------------------------------------------------------ messages
     def prepare_model(self, version: int, server_round: int) -> None:
         """Encode the global model of `version` for the train messages of `server_round` (once per version): the
-        dense weights (or the downlink's next reference) and the strategy's tensor groups."""
+        dense weights (or the downlink's next reference) and the strategy's tensor groups, exactly the ones it
+        declares in ``client_groups`` (StrategyError naming the strategy otherwise)."""
         if self._records is not None and self._records[0] == version:
             return
         records: dict[str, Any] = encode_tensors(self.weights) if self.downlink is None else {}
-        for group, arrays in self.strategy.client_arrays(server_round, self.weights).items():
+        groups = self.strategy.client_arrays(server_round, self.weights)
+        if set(groups) != set(self.strategy.client_groups):
+            raise StrategyError(f"strategy '{self.strategy.name}' sent the tensor groups {sorted(groups)} but declares "
+                                f"client_groups = {tuple(self.strategy.client_groups)}")
+        for group, arrays in groups.items():
             records.update(encode_tensors(arrays, group))
         if self.downlink is not None:
             self.downlink.prepare(self.weights, server_round)
