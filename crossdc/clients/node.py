@@ -34,6 +34,7 @@ from typing import Any
 
 from cachetools import LRUCache
 
+from crossdc import protocol as proto
 from crossdc.clients.channel import TrainerUnavailable, call_trainer, serve_requests
 from crossdc.experiment.config import ConfigError, parse_config
 from crossdc.experiment.processes import ProcessGroup, die_with_parent
@@ -102,9 +103,9 @@ class NodeService:
     def handle(self, request: dict[str, Any]) -> dict[str, Any]:
         op = request.get("op")
         try:
-            if op == "ping":
+            if op == proto.PING_OP:
                 return {"ok": True, "pid": os.getpid(), "datacenter": self.datacenter, "runs": sorted(self.last_used)}
-            if op == "prepare":
+            if op == proto.PREPARE_OP:
                 return self.prepare(str(request.get("run_id", "")), str(request.get("config", "")))
         except NodeError as err:  # the request's fault: answered, not logged as a failure of the service
             return {"ok": False, "error": str(err)}
@@ -160,7 +161,8 @@ class NodeService:
             if managed.process.poll() is not None:
                 raise NodeError(f"the trainer exited at start-up (code {managed.process.returncode}); see {managed.log_path}")
             try:
-                return call_trainer(run_dir.trainer_socket(self.datacenter), run_dir.authkey(), {"op": "ping"}, connect_timeout_s=1.0)
+                return call_trainer(run_dir.trainer_socket(self.datacenter), run_dir.authkey(), {"op": proto.PING_OP},
+                                    connect_timeout_s=1.0)
             except TrainerUnavailable:
                 if time.monotonic() > deadline:
                     raise NodeError(f"the trainer did not start within {TRAINER_START_TIMEOUT_S:.0f}s") from None

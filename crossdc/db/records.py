@@ -87,9 +87,6 @@ class _Record:
         """The record's values checked against their columns, by column name."""
         return {f.name: check_value(self.__table__.c[f.name], getattr(self, f.name)) for f in dataclasses.fields(self)}
 
-    def as_dict(self) -> dict[str, Any]:
-        return dataclasses.asdict(self)
-
     def replace(self, **changes: Any) -> Any:
         """A copy with `changes` (unknown names are errors)."""
         return dataclasses.replace(self, **changes)

@@ -139,8 +139,8 @@ class InProcessFederation:
                                      codecs=self.config.compression.codecs, codec_seed=self.seeds[dc])
             reply = reply_content(answer)
             result.compute_s[dc] = float(answer["metrics"][protocol.COMPUTE_S])
-            result.bytes_up[dc] = payload_bytes(reply)
             judged[dc] = session.judge_content(dc, reply, tau, time.perf_counter() - started)
+            result.bytes_up[dc] = int(judged[dc].record.bytes_up or 0)  # the gate measured the serialised reply
         session.reject_outliers(judged)
         for dc, outcome in judged.items():
             session.note_outcome(dc, outcome, server_round)
