@@ -100,7 +100,7 @@ def test_demo_quick_smoke(tmp_path: Path) -> None:
         assert all(r["status"] == "finished" for r in runs)
         dc_rounds = list_datacenter_rounds(engine, run_id)
         assert len(dc_rounds) == 8 and {r["datacenter"] for r in dc_rounds} == {"us-east", "eu-west", "ap-south", "sa-east"}
-        assert all(r["status"] == "ok" and r["comm_source"] == "relay" for r in dc_rounds)
+        assert all(r["status"] == "ok" and r["comm_source"] == "delay-line" and r["comm_s"] > 0 for r in dc_rounds)
     finally:
         engine.dispose()
 

@@ -13,11 +13,14 @@ import pytest
 from crossdc.experiment.config import (
     ConfigError,
     ExperimentConfig,
+    LinkFault,
+    MeshLink,
     SecuritySection,
     TauSchedule,
     load_config,
     parse_config,
 )
+from crossdc.experiment.links import LINK_PROFILES, LinkSpec
 
 REPO = Path(__file__).resolve().parents[1]
 EXAMPLES = sorted((REPO / "examples").glob("*.toml"))
@@ -431,12 +434,121 @@ def test_link_faults() -> None:
     doc["link_faults"] = [{"datacenter": name, "after_round": 1, "cut_s": 5}]
     fault = parse_config(doc).link_faults[0]
     assert (fault.datacenter, fault.after_round, fault.kind, fault.cut_s) == (name, 1, "cut", 5.0)
+    assert (fault.between, fault.after_s, fault.target) == (None, None, name)
     doc["link_faults"] = [{"datacenter": "nowhere", "after_round": 1, "cut_s": 5}]
     assert "'link_faults[0].datacenter'" in config_error(doc)
     doc["link_faults"] = [{"datacenter": name, "after_round": 1}]
     assert "'link_faults[0].cut_s' must be > 0" in config_error(doc)
     doc["link_faults"] = [{"datacenter": name, "after_round": 1, "kind": "flood"}]
     assert "'cut' or 'reset'" in config_error(doc)
+
+
+def test_link_loss_is_parsed_and_checked() -> None:
+    lossy = parse_config(with_changes("datacenters.0.link", {"profile": "continental", "loss": 0.01})).datacenters[0].link
+    assert (lossy.name, lossy.bandwidth_mbps, lossy.rtt_ms, lossy.loss) == ("continental", 1000.0, 40.0, 0.01)
+    assert lossy.describe() == "continental (1000 Mbps, 40 ms RTT, 1% loss)"
+    assert parse_config(with_changes("datacenters.0.link", "metro")).datacenters[0].link.loss == 0.0
+    assert parse_config(with_changes("datacenters.0.link", {"bandwidth_mbps": 5, "rtt_ms": 1, "loss": 0})).datacenters[0].link.loss == 0.0
+    for loss in (-0.1, 1, 1.5, float("nan")):
+        message = config_error(with_changes("datacenters.0.link", {"bandwidth_mbps": 50, "rtt_ms": 1, "loss": loss}))
+        assert message.startswith("'datacenters[0].link.loss' must be in [0, 1)"), message
+    message = config_error(with_changes("datacenters.0.link", {"profile": "metro", "loss": "1%"}))
+    assert "'datacenters[0].link.loss' must be a number" in message
+
+
+def three_datacenters(links: list[dict[str, Any]], faults: list[dict[str, Any]] | None = None) -> dict[str, Any]:
+    doc = minimal()
+    doc["datacenters"].append({"name": "ap-south"})
+    doc["links"] = links
+    if faults is not None:
+        doc["link_faults"] = faults
+    return doc
+
+
+def test_a_mesh_parses_by_profile_and_numbers() -> None:
+    config = parse_config(three_datacenters([
+        {"between": ["us-east", "eu-west"], "profile": "transoceanic"},
+        {"between": ["eu-west", "ap-south"], "bandwidth_mbps": 200, "rtt_ms": 110, "jitter_ms": 2, "loss": 0.001},
+        {"between": ["ap-south", "us-east"], "profile": "continental", "rtt_ms": 60},
+    ]))
+    assert config.links == (
+        MeshLink(("us-east", "eu-west"), LINK_PROFILES["transoceanic"]),
+        MeshLink(("eu-west", "ap-south"), LinkSpec("custom", 200.0, 110.0, jitter_ms=2.0, loss=0.001)),
+        MeshLink(("ap-south", "us-east"), LinkSpec("custom", 1000.0, 60.0)),
+    )
+    assert parse_config(minimal()).links == ()
+
+
+def test_mesh_link_is_order_insensitive() -> None:
+    config = parse_config(three_datacenters([{"between": ["us-east", "eu-west"], "profile": "metro"}]))
+    assert config.mesh_link("us-east", "eu-west") is config.links[0]
+    assert config.mesh_link("eu-west", "us-east") is config.links[0]
+    assert config.mesh_link("us-east", "ap-south") is None
+    assert config.mesh_link("us-east", "us-east") is None
+
+
+@pytest.mark.parametrize(("links", "expected"), [
+    ([{"profile": "metro"}], "missing key 'links[0].between'"),
+    ([{"between": "us-east", "profile": "metro"}], "'links[0].between' must be a list of two datacenter names"),
+    ([{"between": ["us-east"], "profile": "metro"}], "'links[0].between' must be a list of two datacenter names"),
+    ([{"between": ["us-east", "eu-west", "ap-south"], "profile": "metro"}], "'links[0].between' must be a list of two"),
+    ([{"between": ["us-east", 3], "profile": "metro"}], "'links[0].between' must be a list of two datacenter names"),
+    ([{"between": ["us-east", "mars"], "profile": "metro"}],
+     "'links[0].between' names 'mars', not a configured datacenter (us-east, eu-west, ap-south)"),
+    ([{"between": ["eu-west", "eu-west"], "profile": "metro"}], "'links[0].between' pairs datacenter 'eu-west' with itself"),
+    ([{"between": ["us-east", "eu-west"], "profile": "metro"}, {"between": ["ap-south", "us-east"], "profile": "metro"},
+      {"between": ["eu-west", "us-east"], "profile": "metro"}], "'links[0]' and 'links[2]' both join 'eu-west' and 'us-east'"),
+    ([{"between": ["us-east", "eu-west"]}], "missing key 'links[0].bandwidth_mbps'"),
+    ([{"between": ["us-east", "eu-west"], "profile": "ocean"}], "unknown link profile 'ocean' in 'links[0].profile'"),
+    ([{"between": ["us-east", "eu-west"], "bandwidth_mbps": 0, "rtt_ms": 1}], "'links[0].bandwidth_mbps' must be > 0"),
+    ([{"between": ["us-east", "eu-west"], "profile": "metro", "loss": 1.0}], "'links[0].loss' must be in [0, 1)"),
+    ([{"between": ["us-east", "eu-west"], "profile": "metro", "loss": -0.5}], "'links[0].loss' must be in [0, 1)"),
+    ([{"between": ["us-east", "eu-west"], "profile": "metro", "latency": 3}], "unknown key 'links[0].latency'"),
+    ({"between": ["us-east", "eu-west"]}, "'links' must be an array of tables ([[links]])"),
+])
+def test_mesh_errors(links: Any, expected: str) -> None:
+    message = config_error(three_datacenters(links))
+    assert expected in message, message
+
+
+def test_link_faults_on_a_mesh_link_and_by_time() -> None:
+    links = [{"between": ["us-east", "eu-west"], "profile": "metro"}]
+    config = parse_config(three_datacenters(links, [
+        {"between": ["eu-west", "us-east"], "after_s": 12.5, "cut_s": 3},
+        {"datacenter": "ap-south", "after_s": 0, "kind": "reset"},
+        {"between": ["us-east", "eu-west"], "after_round": 2, "kind": "reset"},
+    ]))
+    assert config.link_faults == (
+        LinkFault(between=("us-east", "eu-west"), after_s=12.5, cut_s=3.0),
+        LinkFault(datacenter="ap-south", after_s=0.0, kind="reset"),
+        LinkFault(between=("us-east", "eu-west"), after_round=2, kind="reset"),
+    )
+    assert [f.target for f in config.link_faults] == ["us-east<->eu-west", "ap-south", "us-east<->eu-west"]
+
+
+@pytest.mark.parametrize(("fault", "expected"), [
+    ({"after_round": 1, "cut_s": 5}, "'link_faults[0]' needs one of 'datacenter' (a datacenter's link) and 'between'"),
+    ({"datacenter": "us-east", "between": ["us-east", "eu-west"], "after_round": 1, "cut_s": 5},
+     "'link_faults[0]' gives both 'datacenter' (a datacenter's link) and 'between'"),
+    ({"datacenter": "us-east", "cut_s": 5}, "'link_faults[0]' needs one of 'after_round' (rounds logged) and 'after_s'"),
+    ({"datacenter": "us-east", "after_round": 1, "after_s": 2.0, "cut_s": 5}, "'link_faults[0]' gives both 'after_round'"),
+    ({"between": ["us-east", "ap-south"], "after_round": 1, "cut_s": 5},
+     "'link_faults[0].between' = ['us-east', 'ap-south'] is not a link listed in [[links]] (listed: us-east<->eu-west)"),
+    ({"between": ["us-east", "mars"], "after_round": 1, "cut_s": 5}, "'link_faults[0].between' names 'mars'"),
+    ({"between": ["us-east"], "after_round": 1, "cut_s": 5}, "'link_faults[0].between' must be a list of two"),
+    ({"datacenter": "us-east", "after_s": -1, "cut_s": 5}, "'link_faults[0].after_s' must be ≥ 0, got -1.0"),
+    ({"datacenter": "us-east", "after_s": True, "cut_s": 5}, "'link_faults[0].after_s' must be a number"),
+    ({"between": ["us-east", "eu-west"], "after_s": 1}, "'link_faults[0].cut_s' must be > 0"),
+])
+def test_link_fault_errors(fault: dict[str, Any], expected: str) -> None:
+    message = config_error(three_datacenters([{"between": ["us-east", "eu-west"], "profile": "metro"}], [fault]))
+    assert expected in message, message
+
+
+def test_a_fault_on_a_mesh_link_needs_links() -> None:
+    doc = minimal()
+    doc["link_faults"] = [{"between": ["us-east", "eu-west"], "after_round": 1, "cut_s": 5}]
+    assert "is not a link listed in [[links]] (listed: none)" in config_error(doc)
 
 
 def test_bad_link_is_reported_before_not_implemented() -> None:

@@ -41,7 +41,7 @@ def documented_rows(text: str) -> dict[str, list[str]]:
 def spelled(table: str, key: str) -> str:
     """How the page names a key of a table of CONFIG_KEYS: the section ``[key]`` at the top level, else dotted."""
     if table == "":
-        return f"[[{key}]]" if key in ("datacenters", "link_faults") else f"[{key}]"
+        return f"[[{key}]]" if key in ("datacenters", "links", "link_faults") else f"[{key}]"
     return f"{table}.{key}"
 
 

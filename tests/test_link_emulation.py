@@ -13,7 +13,8 @@ from pathlib import Path
 import pytest
 
 from crossdc.experiment.links import LinkSpec
-from crossdc.wan.link_relay import LedgerReader, LinkRelay, bytes_by_direction, pace, time_in_flight
+from crossdc.wan.ledger import LedgerReader, bytes_by_direction, pace, time_in_flight
+from crossdc.wan.link_relay import LinkRelay
 
 #: these tests assert paces and deadlines on the wall clock: they run alone, after the parallel part of the suite
 pytestmark = pytest.mark.serial

@@ -8,7 +8,8 @@ from pathlib import Path
 
 import pytest
 
-from crossdc.wan.link_relay import LedgerReader, LinkRelay, Transfer, time_in_flight
+from crossdc.wan.ledger import LedgerReader, Transfer, time_in_flight
+from crossdc.wan.link_relay import LinkRelay
 
 
 def test_time_in_flight_is_the_union_of_intervals() -> None:

@@ -97,14 +97,36 @@ class DatacenterSection:
 
 
 @dataclass(frozen=True)
-class LinkFault:
-    """A fault injected on a datacenter's link once `after_round` rounds are logged: cut it for `cut_s`
-    seconds (kind "cut"), or reset its open connections (kind "reset")."""
+class MeshLink:
+    """A direct link between two datacenters (`[[links]]`), described like a datacenter's own link to the
+    coordinator (its star link). A pair of datacenters not listed is routed through the coordinator: its one-way
+    delays add, and its bandwidth is the smaller of the two star links'."""
 
-    datacenter: str
-    after_round: int
+    between: tuple[str, str]
+    link: LinkSpec
+
+
+@dataclass(frozen=True)
+class LinkFault:
+    """A fault injected on one link: a datacenter's link to the coordinator (`datacenter`) or a
+    datacenter-to-datacenter link of `[[links]]` (`between`, the pair in the order that `[[links]]` gives it);
+    exactly one of the two is set. It acts once `after_round` rounds are logged, or `after_s` seconds after the
+    run started (for modes without rounds); exactly one of the two is set. It cuts the link for `cut_s` seconds
+    (kind "cut"), or resets its open connections (kind "reset")."""
+
+    datacenter: str | None = None
+    between: tuple[str, str] | None = None
+    after_round: int | None = None
+    after_s: float | None = None
     kind: str = "cut"
     cut_s: float = 0.0
+
+    @property
+    def target(self) -> str:
+        """The link's readable name: "us-east" (a datacenter's link) or "us-east<->eu-west" (a mesh link)."""
+        if self.between is not None:
+            return f"{self.between[0]}<->{self.between[1]}"
+        return str(self.datacenter)
 
 
 @dataclass(frozen=True)
@@ -143,6 +165,8 @@ class ExperimentConfig:
     strategy: StrategySection
     datacenters: tuple[DatacenterSection, ...]
     link_faults: tuple[LinkFault, ...] = ()
+    #: direct datacenter-to-datacenter links (`[[links]]`); a pair not listed goes through the coordinator
+    links: tuple[MeshLink, ...] = ()
     compression: CompressionSection = field(default_factory=CompressionSection)
     security: SecuritySection = field(default_factory=SecuritySection)
     checkpoint: CheckpointSection = field(default_factory=CheckpointSection)
@@ -152,17 +176,29 @@ class ExperimentConfig:
     def datacenter_names(self) -> list[str]:
         return [dc.name for dc in self.datacenters]
 
+    def mesh_link(self, a: str, b: str) -> MeshLink | None:
+        """The direct link between datacenters `a` and `b` (in either order), or None: they talk through the
+        coordinator."""
+        for mesh in self.links:
+            if {a, b} == set(mesh.between):
+                return mesh
+        return None
+
     def to_json(self) -> str:
         return json.dumps(self.raw, sort_keys=True)
 
 
+#: the numbers of a link, in a datacenter's link table and in each [[links]] table
+_LINK_KEYS = frozenset({"profile", "bandwidth_mbps", "rtt_ms", "jitter_ms", "loss"})
+
 #: Every key the parser accepts, by table: the one list, used by the parser's own key checks (an unknown key is an
 #: error naming it) and by the configuration reference (docs/configuration.md, kept in step by
-#: tests/test_config_reference.py). "" is the document's top level; "datacenters" and "link_faults" are the keys of
-#: each [[datacenters]] / [[link_faults]] table; "datacenters.link" those of a link given as a table;
+#: tests/test_config_reference.py). "" is the document's top level; "datacenters", "links" and "link_faults" are the
+#: keys of each [[datacenters]] / [[links]] / [[link_faults]] table; "datacenters.link" those of a link given as a table;
 #: "run.deadline", "workload.partition" and "strategy.tau" those of the inline tables of that name.
 CONFIG_KEYS: dict[str, frozenset[str]] = {
-    "": frozenset({"run", "workload", "strategy", "datacenters", "link_faults", "compression", "security", "checkpoint"}),
+    "": frozenset({"run", "workload", "strategy", "datacenters", "links", "link_faults", "compression", "security",
+                   "checkpoint"}),
     "run": frozenset({"name", "rounds", "seed", "eval_every", "min_replies", "round_timeout_s", "deadline"}),
     "run.deadline": frozenset({"floor_s", "ceiling_s", "k_mad", "window", "min_history"}),
     "workload": frozenset({"dataset", "model", "model_args", "partition", "batch_size", "optimizer", "lr", "precision"}),
@@ -170,8 +206,9 @@ CONFIG_KEYS: dict[str, frozenset[str]] = {
     "strategy": frozenset({"name", "tau", "params"}),
     "strategy.tau": frozenset({"start", "end", "warmup_rounds", "kind"}),
     "datacenters": frozenset({"name", "workers", "link", "speed", "region"}),
-    "datacenters.link": frozenset({"profile", "bandwidth_mbps", "rtt_ms", "jitter_ms"}),
-    "link_faults": frozenset({"datacenter", "after_round", "kind", "cut_s"}),
+    "datacenters.link": _LINK_KEYS,
+    "links": _LINK_KEYS | {"between"},
+    "link_faults": frozenset({"datacenter", "between", "after_round", "after_s", "kind", "cut_s"}),
     "compression": frozenset({"codecs", "downlink_codecs"}),
     "security": frozenset({"robust_aggregation", "trim_fraction", "norm_rejection_factor", "max_update_mb"}),
     "checkpoint": frozenset({"every_rounds", "dir", "keep"}),
@@ -332,7 +369,9 @@ def _parse_strategy(doc: dict[str, Any]) -> StrategySection:
     )
 
 
-def _parse_link(value: Any, where: str) -> LinkSpec | None:
+def _parse_link(value: Any, where: str, table: str = "datacenters.link") -> LinkSpec | None:
+    """A link spelt `where` in messages: a profile name, or a table of CONFIG_KEYS[`table`] whose link keys are
+    read here (a [[links]] table's `between` is its caller's)."""
     if value is None:
         return None
     if isinstance(value, str):
@@ -340,8 +379,8 @@ def _parse_link(value: Any, where: str) -> LinkSpec | None:
             raise ConfigError(f"unknown link profile '{value}' in '{where}'; known: {', '.join(sorted(LINK_PROFILES))}")
         return LINK_PROFILES[value]
     if not isinstance(value, dict):
-        raise ConfigError(f"'{where}' must be a profile name or a table {{ bandwidth_mbps, rtt_ms, jitter_ms }}")
-    _check_keys(value, "datacenters.link", where + ".")
+        raise ConfigError(f"'{where}' must be a profile name or a table {{ bandwidth_mbps, rtt_ms, jitter_ms, loss }}")
+    _check_keys(value, table, where + ".")
     base = _parse_link(value["profile"], where + ".profile") if "profile" in value else None
     bandwidth = _typed(value, "bandwidth_mbps", float, where + ".", base.bandwidth_mbps if base else dataclasses.MISSING)
     rtt = _typed(value, "rtt_ms", float, where + ".", base.rtt_ms if base else dataclasses.MISSING)
@@ -349,8 +388,11 @@ def _parse_link(value: Any, where: str) -> LinkSpec | None:
     _positive(bandwidth, where + ".bandwidth_mbps")
     _positive(rtt, where + ".rtt_ms", allow_zero=True)
     _positive(jitter, where + ".jitter_ms", allow_zero=True)
+    loss = _typed(value, "loss", float, where + ".", base.loss if base else 0.0)
+    if not (math.isfinite(loss) and 0.0 <= loss < 1.0):
+        raise ConfigError(f"'{where}.loss' must be in [0, 1) (a fraction of packets), got {loss!r}")
     name = base.name if base and (bandwidth, rtt) == (base.bandwidth_mbps, base.rtt_ms) else "custom"
-    return LinkSpec(name=name, bandwidth_mbps=bandwidth, rtt_ms=rtt, jitter_ms=jitter)
+    return LinkSpec(name=name, bandwidth_mbps=bandwidth, rtt_ms=rtt, jitter_ms=jitter, loss=loss)
 
 
 def _parse_datacenters(doc: dict[str, Any]) -> tuple[DatacenterSection, ...]:
@@ -382,7 +424,44 @@ def _parse_datacenters(doc: dict[str, Any]) -> tuple[DatacenterSection, ...]:
     return tuple(result)
 
 
-def _parse_link_faults(doc: dict[str, Any], datacenters: tuple[DatacenterSection, ...]) -> tuple[LinkFault, ...]:
+def _parse_between(t: dict[str, Any], where: str, names: list[str]) -> tuple[str, str]:
+    """`between` of the table `where`: two different configured datacenters."""
+    pair = t["between"]
+    if not (isinstance(pair, list) and len(pair) == 2 and all(isinstance(n, str) for n in pair)):
+        raise ConfigError(f"'{where}between' must be a list of two datacenter names like [\"us-east\", \"eu-west\"], "
+                          f"got {pair!r}")
+    for name in pair:
+        if name not in names:
+            raise ConfigError(f"'{where}between' names {name!r}, not a configured datacenter ({', '.join(names)})")
+    if pair[0] == pair[1]:
+        raise ConfigError(f"'{where}between' pairs datacenter {pair[0]!r} with itself; a link joins two datacenters")
+    return (pair[0], pair[1])
+
+
+def _parse_links(doc: dict[str, Any], datacenters: tuple[DatacenterSection, ...]) -> tuple[MeshLink, ...]:
+    items = doc.get("links", [])
+    if not isinstance(items, list) or not all(isinstance(i, dict) for i in items):
+        raise ConfigError("'links' must be an array of tables ([[links]])")
+    names = [dc.name for dc in datacenters]
+    links: list[MeshLink] = []
+    for index, t in enumerate(items):
+        where = f"links[{index}]."
+        _check_keys(t, "links", where)
+        if "between" not in t:
+            raise ConfigError(f"missing key '{where}between'")
+        pair = _parse_between(t, where, names)
+        for other, earlier in enumerate(links):
+            if set(pair) == set(earlier.between):
+                raise ConfigError(f"'links[{other}]' and 'links[{index}]' both join {pair[0]!r} and {pair[1]!r}: "
+                                  f"give each pair one link")
+        spec = _parse_link({k: v for k, v in t.items() if k != "between"}, f"links[{index}]", table="links")
+        assert spec is not None  # a table always gives a link
+        links.append(MeshLink(between=pair, link=spec))
+    return tuple(links)
+
+
+def _parse_link_faults(doc: dict[str, Any], datacenters: tuple[DatacenterSection, ...],
+                       links: tuple[MeshLink, ...]) -> tuple[LinkFault, ...]:
     items = doc.get("link_faults", [])
     if not isinstance(items, list) or not all(isinstance(i, dict) for i in items):
         raise ConfigError("'link_faults' must be an array of tables ([[link_faults]])")
@@ -391,18 +470,43 @@ def _parse_link_faults(doc: dict[str, Any], datacenters: tuple[DatacenterSection
     for index, t in enumerate(items):
         where = f"link_faults[{index}]."
         _check_keys(t, "link_faults", where)
-        name = _typed(t, "datacenter", str, where)
-        if name not in names:
-            raise ConfigError(f"'{where}datacenter' = {name!r} is not a configured datacenter ({', '.join(names)})")
-        after = _typed(t, "after_round", int, where)
-        _positive(after, where + "after_round", allow_zero=True)
+        if ("datacenter" in t) == ("between" in t):
+            given = "gives both" if "datacenter" in t else "needs one of"
+            raise ConfigError(f"'link_faults[{index}]' {given} 'datacenter' (a datacenter's link) and 'between' "
+                              f"(a link of [[links]]): give exactly one")
+        name: str | None = None
+        between: tuple[str, str] | None = None
+        if "datacenter" in t:
+            name = _typed(t, "datacenter", str, where)
+            if name not in names:
+                raise ConfigError(f"'{where}datacenter' = {name!r} is not a configured datacenter ({', '.join(names)})")
+        else:
+            pair = _parse_between(t, where, names)
+            mesh = next((m for m in links if set(m.between) == set(pair)), None)
+            if mesh is None:
+                listed = ", ".join(f"{m.between[0]}<->{m.between[1]}" for m in links) or "none"
+                raise ConfigError(f"'{where}between' = {list(pair)!r} is not a link listed in [[links]] (listed: {listed})")
+            between = mesh.between
+        if ("after_round" in t) == ("after_s" in t):
+            given = "gives both" if "after_round" in t else "needs one of"
+            raise ConfigError(f"'link_faults[{index}]' {given} 'after_round' (rounds logged) and 'after_s' "
+                              f"(seconds since the run started): give exactly one")
+        after_round: int | None = None
+        after_s: float | None = None
+        if "after_round" in t:
+            after_round = _typed(t, "after_round", int, where)
+            _positive(after_round, where + "after_round", allow_zero=True)
+        else:
+            after_s = _typed(t, "after_s", float, where)
+            _positive(after_s, where + "after_s", allow_zero=True)
         kind = _typed(t, "kind", str, where, "cut")
         if kind not in ("cut", "reset"):
             raise ConfigError(f"'{where}kind' must be 'cut' or 'reset', got {kind!r}")
         cut_s = _typed(t, "cut_s", float, where, 0.0)
         if kind == "cut":
             _positive(cut_s, where + "cut_s")
-        faults.append(LinkFault(datacenter=name, after_round=after, kind=kind, cut_s=cut_s))
+        faults.append(LinkFault(datacenter=name, between=between, after_round=after_round, after_s=after_s, kind=kind,
+                                cut_s=cut_s))
     return tuple(faults)
 
 
@@ -479,12 +583,14 @@ def parse_config(doc: dict[str, Any]) -> ExperimentConfig:
                               f"{dc.workers} workers (each takes an equal slice of every batch)")
     if run.min_replies > len(datacenters):
         raise ConfigError(f"'run.min_replies' = {run.min_replies} but there are only {len(datacenters)} datacenters")
+    links = _parse_links(doc, datacenters)
     config = ExperimentConfig(
         run=run,
         workload=_parse_workload(doc),
         strategy=_parse_strategy(doc),
         datacenters=datacenters,
-        link_faults=_parse_link_faults(doc, datacenters),
+        link_faults=_parse_link_faults(doc, datacenters, links),
+        links=links,
         compression=_parse_compression(doc),
         security=_parse_security(doc),
         checkpoint=_parse_checkpoint(doc),

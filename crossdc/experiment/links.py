@@ -1,4 +1,4 @@
-"""WAN link descriptions: named profiles and explicit (bandwidth, RTT) pairs.
+"""WAN link descriptions: named profiles and explicit (bandwidth, RTT, jitter, loss) numbers.
 
 The link relay (crossdc/wan/link_relay.py) emulates them; the planner
 (crossdc plan) models them: one vocabulary for configs, docs, emulator and planner.
@@ -11,16 +11,19 @@ from dataclasses import dataclass
 
 @dataclass(frozen=True)
 class LinkSpec:
-    """A symmetric WAN link: bandwidth in each direction, round-trip time, and jitter of the one-way delay."""
+    """A symmetric WAN link: bandwidth in each direction, round-trip time, jitter of the one-way delay, and loss:
+    the fraction of packets dropped at random, in each direction, independently (0 ≤ loss < 1)."""
 
     name: str
     bandwidth_mbps: float
     rtt_ms: float
     jitter_ms: float = 0.0
+    loss: float = 0.0
 
     def describe(self) -> str:
         jitter = f" ± {self.jitter_ms:g} ms jitter" if self.jitter_ms else ""
-        return f"{self.name} ({self.bandwidth_mbps:g} Mbps, {self.rtt_ms:g} ms RTT{jitter})"
+        loss = f", {self.loss * 100:g}% loss" if self.loss else ""
+        return f"{self.name} ({self.bandwidth_mbps:g} Mbps, {self.rtt_ms:g} ms RTT{jitter}{loss})"
 
 
 LINK_PROFILES: dict[str, LinkSpec] = {

@@ -15,6 +15,7 @@ import socket
 import subprocess
 import sys
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import IO
@@ -76,12 +77,14 @@ class ProcessGroup:
         self.processes: list[ManagedProcess] = []
 
     def start(self, name: str, command: list[str], log_path: Path, env: dict[str, str] | None = None,
-              cwd: Path | None = None) -> ManagedProcess:
+              cwd: Path | None = None, preexec: Callable[[], None] | None = None) -> ManagedProcess:
+        """Start `command` in a session of its own, output to `log_path`; `preexec` runs in the child before exec
+        (by default: stop when this process dies; EmulatedNetwork.preexec also enters a datacenter's namespace)."""
         log_path.parent.mkdir(parents=True, exist_ok=True)
         log_file = open(log_path, "ab")
         process = subprocess.Popen(
             command, stdout=log_file, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
-            env=env, cwd=cwd, start_new_session=True, preexec_fn=die_with_parent,
+            env=env, cwd=cwd, start_new_session=True, preexec_fn=preexec or die_with_parent,
         )
         managed = ManagedProcess(name, process, log_path, log_file)
         self.processes.append(managed)
@@ -147,6 +150,22 @@ def die_with_parent() -> None:
     """In the child, before exec: ask the kernel for SIGTERM when the starting process dies (even by SIGKILL)."""
     if _LIBC is not None:  # elsewhere than Linux the orchestrator's own clean-up still applies
         _LIBC.prctl(_PR_SET_PDEATHSIG, signal.SIGTERM)
+
+
+_CLONE_NEWNET = 0x40000000
+
+
+def enter_network_namespace(path: str) -> None:
+    """Move the calling process (in a child, before exec) into the network namespace bound at `path`."""
+    if _LIBC is None:
+        raise OSError("no libc: network namespaces need Linux")
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        if _LIBC.setns(fd, _CLONE_NEWNET) != 0:
+            errno = ctypes.get_errno()
+            raise OSError(errno, f"setns({path}): {os.strerror(errno)}")
+    finally:
+        os.close(fd)
 
 
 def processes_with_env(name: str, value: str) -> list[int]:

@@ -15,6 +15,9 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+#: the run's settings key saying how its WAN is emulated: "delay-line" (namespaces, packet level) or "relay"
+SETTINGS_LINK_EMULATOR = "link_emulator"
+
 # sun_path holds 108 bytes including the terminating NUL
 _MAX_UNIX_PATH = 100
 

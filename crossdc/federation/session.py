@@ -34,13 +34,13 @@ from crossdc.db.records import DatacenterRoundRecord
 from crossdc.db.runlog import RunLog
 from crossdc.experiment.builders import build_strategy, build_workload, initial_model
 from crossdc.experiment.config import ExperimentConfig
-from crossdc.experiment.rundir import RunDir
+from crossdc.experiment.rundir import SETTINGS_LINK_EMULATOR, RunDir
 from crossdc.federation.grid_io import Reply
 from crossdc.federation.update_gate import GateRules, Judged, judge_content, judge_reply, update_norm_outliers, update_size_limit
 from crossdc.protocol import CONFIG_KEY, encode_tensors, raw_fp32_bytes
 from crossdc.strategies.aggregation import cosine
 from crossdc.strategies.base import Arrays, ClientUpdate, Strategy, StrategyError
-from crossdc.wan.link_relay import LedgerReader, bytes_by_direction, payload_transfers, time_in_flight
+from crossdc.wan.ledger import LedgerReader, bytes_by_direction, payload_transfers, time_in_flight
 from crossdc.workloads import Workload, evaluate, load_model_weights, model_weights
 
 log = logging.getLogger("crossdc.federation")
@@ -55,15 +55,15 @@ def update_cosines(updates: Sequence[ClientUpdate], aggregate: Arrays) -> dict[s
     return {update.datacenter: cosine(update.delta, aggregate) for update in updates}
 
 
-def link_measurements(link: LedgerReader, start: float, end: float) -> dict[str, Any]:
+def link_measurements(link: LedgerReader, start: float, end: float, source: str) -> dict[str, Any]:
     """What the datacenter's link carried for the round's messages during [start, end]: comm_s (seconds
     the link was busy with them), how that was obtained, and their bytes in each direction (protocol
-    framing included; idle polls and heartbeats left out, see link_relay.payload_transfers)."""
+    framing included; idle polls and heartbeats left out, see crossdc.wan.ledger.payload_transfers)."""
     if not link.path.exists():
         return {"comm_s": None, "comm_source": "not measured (no link relay: simulation or external SuperNode)"}
     transfers = payload_transfers(link.window(start, end))
     moved = bytes_by_direction(transfers)
-    return {"comm_s": time_in_flight(transfers), "comm_source": "relay",
+    return {"comm_s": time_in_flight(transfers), "comm_source": source,
             "link_bytes_up": moved["up"], "link_bytes_down": moved["down"]}
 
 
@@ -90,6 +90,8 @@ class RoundSession:
                                                            config.security.max_update_mb))
         self.regions = {dc.name: dc.region for dc in config.datacenters}
         self.links = {name: LedgerReader(run_dir.link_ledger(name)) for name in config.datacenter_names} if run_dir else {}
+        #: what measured the links: "delay-line" (every packet, namespaces) or "relay" (Flower's connections)
+        self.link_source = str(run_dir.settings().get(SETTINGS_LINK_EMULATOR, "relay")) if run_dir else "relay"
         #: per datacenter, the worker groups that served it in order (a new entry only when the group changed)
         self.worker_pids: dict[str, list[list[int]]] = {name: [] for name in config.datacenter_names}
         self.totals = {"bytes_up": 0, "bytes_down": 0}
@@ -197,7 +199,7 @@ class RoundSession:
         record = outcome.record.replace(**columns)
         link = self.links.get(datacenter)
         if record.round_s is not None and link is not None:
-            record = record.replace(**link_measurements(link, pushed_at, pushed_at + record.round_s))
+            record = record.replace(**link_measurements(link, pushed_at, pushed_at + record.round_s, self.link_source))
         if record.status == "ok" and record.round_s is not None and record.compute_s is not None:
             record = record.replace(overhead_s=record.round_s - record.compute_s - (record.comm_s or 0.0))
         return record

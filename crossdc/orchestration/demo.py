@@ -58,7 +58,8 @@ def run_demo(config_path: Path, quick: bool, db: str | None, port: int, runs_dir
                   f"{config.workload.partition['kind']} partition, {config.strategy.name}, {config.run.rounds} rounds")
     links = sorted({dc.link.describe() if dc.link else "loopback (not emulated)" for dc in config.datacenters})
     console.print(f"database: {safe_url(db_url)}")
-    console.print(f"WAN links, emulated by crossdc's link relay between each SuperNode and the SuperLink: {', '.join(links)}")
+    console.print(f"WAN links, emulated packet by packet between each datacenter's network namespace and the coordinator: "
+                  f"{', '.join(links)}")
     console.print("security: everything on loopback (127.0.0.1), plain HTTP, no TLS and no SuperNode authentication; "
                   "a real federation enrolls its datacenters (see docs/deployment.md)")
     server = start_dashboard(db_url, dashboard_port, console, dashboard) if dashboard is not None else None
@@ -193,7 +194,7 @@ def _print_table(console: Console, config: Any, federated: dict[str, Any], basel
     comm = breakdown["comm_s"]
     comm_text = "not measured" if comm != comm else f"{comm:.3f}s"
     console.print(f"per datacenter and round (median): round {breakdown['round_s']:.2f}s = compute {breakdown['compute_s']:.2f}s"
-                  f" + communication {comm_text} (measured at the link relay; "
+                  f" + communication {comm_text} (measured on the emulated link; "
                   f"ratio comm/comp {breakdown['comm_s'] / breakdown['compute_s']:.2f})"
                   f" + Flower/process overhead {breakdown['overhead_s']:.2f}s")
     console.print(f"demo wall time {wall_s:.0f}s")

@@ -1,5 +1,13 @@
 """Runs one experiment on this machine: trainers, a SuperLink, one SuperNode per datacenter.
 
+The WAN: each datacenter (its trainer, worker ranks, SuperNode and ClientApps)
+runs in its own network namespace and every packet it exchanges with the
+coordinator (SuperLink, ServerApp, database, in the root namespace) or another
+datacenter crosses the emulated links (crossdc.wan.network). Where namespaces
+cannot be made, the run says why and falls back to the link relay, which
+emulates Flower's own traffic only (and cannot emulate datacenter-to-datacenter
+links).
+
 Promises: every process it starts (trainers, SuperLink, SuperNodes and what
 Flower spawns under them) is stopped when the run ends — on success, on error
 and on Ctrl-C — and the run's row in SQL ends as finished, failed or
@@ -45,9 +53,10 @@ from crossdc.experiment.processes import (
     venv_bin,
     wait_for_port,
 )
-from crossdc.experiment.rundir import RunDir
+from crossdc.experiment.rundir import SETTINGS_LINK_EMULATOR, RunDir
 from crossdc.federation.server_checkpoint import SETTINGS_ATTEMPT, SETTINGS_RESUME, SETTINGS_URL
 from crossdc.wan.link_relay import LinkRelay
+from crossdc.wan.network import EmulatedNetwork, namespaces_unavailable
 
 log = logging.getLogger("crossdc.local_run")
 
@@ -105,6 +114,9 @@ class LocalRunResult:
 
 
 RUN_MARKER_ENV = "CROSSDC_RUN_DIR"
+#: how a local run emulates its WAN (recorded in the run's settings as SETTINGS_LINK_EMULATOR)
+EMULATOR_NAMESPACES = "delay-line"
+EMULATOR_RELAY = "relay"
 
 
 def run_env(run_dir: RunDir) -> dict[str, str]:
@@ -127,18 +139,25 @@ class LocalRun:
         self.processes = ProcessGroup()
         self.worker_pids: dict[str, list[int]] = {}
         self.relays: dict[str, LinkRelay] = {}
+        self.network: EmulatedNetwork | None = None
+        self.emulator: str | None = None  # EMULATOR_NAMESPACES or EMULATOR_RELAY for a local deployment run
         self.faults_done: set[int] = set()
+        self.started_at = time.time()
 
     # --------------------------------------------------------------- set-up
     def prepare(self) -> None:
-        if self.options.engine == "simulation" and (self.config.link_faults or any(dc.link for dc in self.config.datacenters)):
+        if self.options.engine == "simulation" and (self.config.link_faults or self.config.links
+                                                     or any(dc.link for dc in self.config.datacenters)):
             raise RunFailed("WAN links and link faults are emulated between SuperNodes and the SuperLink: "
                             "use the deployment engine (remove the links to simulate)")
         if self.options.engine == "deployment" and self.options.superlink is None:
             ensure_port_free(HOST, self.options.superlink_port)  # fail before anything starts; checked again at launch
+            self.emulator = self._choose_emulator()
         upgrade(self.options.db_url)
         settings = {"run_id": self.run_id, "db_url": self.options.db_url, "config": self.config.raw,
                     "db_max_outage_s": self.options.db_max_outage_s, SETTINGS_ATTEMPT: 1}
+        if self.emulator is not None:
+            settings[SETTINGS_LINK_EMULATOR] = self.emulator
         if self.config.checkpoint.every_rounds > 0:
             settings[SETTINGS_URL] = checkpoint_url(self.config.checkpoint.dir, self.run_id)
         if self.options.resume:
@@ -158,6 +177,40 @@ class LocalRun:
                                  config=self.config.raw, rounds_planned=self.config.run.rounds)
             runlog.flush(timeout=30)
 
+    def _choose_emulator(self) -> str:
+        """"delay-line" (datacenters in network namespaces) where this machine allows it, else "relay" (said once)."""
+        reason = namespaces_unavailable()
+        if reason is None:
+            return EMULATOR_NAMESPACES
+        needs_mesh = self.config.links or any(f.between is not None for f in self.config.link_faults)
+        if needs_mesh:
+            raise RunFailed(f"datacenter-to-datacenter links need the namespace emulator, which cannot run here: {reason}")
+        log.warning("WAN emulated by the link relay (Flower's traffic only): %s", reason)
+        return EMULATOR_RELAY
+
+    def start_network(self) -> None:
+        """Put every datacenter in its own namespace behind its emulated links (the delay line measures them)."""
+        if self.emulator != EMULATOR_NAMESPACES:
+            return
+        star = [(dc.name, dc.link) for dc in self.config.datacenters]
+        mesh = [(*link.between, link.link) for link in self.config.links]
+        self.network = EmulatedNetwork(star, mesh, self.run_dir.logs / "links", seed=self.config.run.seed,
+                                       log_path=self.run_dir.logs / "delay-line.log").start()
+
+    def _datacenter_process(self, name: str) -> dict[str, Any]:
+        """How a datacenter's process starts: its environment, and (with the namespace emulator) its namespace, whose
+        loopback carries the traffic between the datacenter's own processes (gloo is told so)."""
+        env = run_env(self.run_dir)
+        if self.network is None:
+            return {"env": env}
+        env["GLOO_SOCKET_IFNAME"] = "lo"
+        return {"env": env, "preexec": self.network.preexec(name)}
+
+    @property
+    def coordinator_host(self) -> str:
+        """The address the SuperLink listens on: the coordinator's emulated address, or loopback (relay, no emulator)."""
+        return self.network.coordinator_address if self.network is not None else HOST
+
     def start_trainers(self) -> None:
         for name in self.config.datacenter_names:
             self._start_trainer(name)
@@ -168,7 +221,7 @@ class LocalRun:
         self.processes.start(
             f"trainer-{name}",
             [sys.executable, "-m", "crossdc.clients.trainer", "--run-dir", str(self.run_dir.path), "--datacenter", name],
-            self.run_dir.logs / f"trainer-{name}.log", env=run_env(self.run_dir),
+            self.run_dir.logs / f"trainer-{name}.log", **self._datacenter_process(name),
         )
 
     def _await_trainer(self, name: str) -> None:
@@ -189,13 +242,16 @@ class LocalRun:
                     raise RunFailed(f"trainer of '{name}' did not start within {TRAINER_START_TIMEOUT_S:.0f}s") from None
 
     def _start_supernode(self, name: str) -> None:
-        relay = self.relays[name]
+        if self.network is not None:  # its packets cross the datacenter's emulated link
+            superlink = f"{self.network.coordinator_address}:{self.options.superlink_port}"
+        else:
+            superlink = f"{HOST}:{self.relays[name].port}"
         node_config = f'{protocol.DATACENTER}="{name}" {protocol.NODE_TRAINER}="{self.run_dir.trainer_socket(name)}"'
         self.processes.start(
             f"supernode-{name}",
-            [venv_bin("flower-supernode"), "--insecure", "--superlink", f"{HOST}:{relay.port}", "--port", str(free_port()),
+            [venv_bin("flower-supernode"), "--insecure", "--superlink", superlink, "--port", str(free_port()),
              "--node-config", node_config],
-            self.run_dir.logs / f"supernode-{name}.log", env=run_env(self.run_dir),
+            self.run_dir.logs / f"supernode-{name}.log", **self._datacenter_process(name),
         )
 
     def kill_datacenter(self, name: str, trainer: bool = True) -> list[int]:
@@ -232,15 +288,17 @@ class LocalRun:
     def start_flower(self) -> None:
         env = run_env(self.run_dir)
         port = self.options.superlink_port
-        self.write_flower_app(f"{HOST}:{port}")
+        host = self.coordinator_host
+        self.write_flower_app(f"{host}:{port}")
         ensure_port_free(HOST, port)
+        ensure_port_free(host, port)
         superlink = self.processes.start(
             "superlink",
-            [venv_bin("flower-superlink"), "--insecure", "--disable-runtime-dependency-installation", "--host", HOST, "--port", str(port)],
+            [venv_bin("flower-superlink"), "--insecure", "--disable-runtime-dependency-installation", "--host", host, "--port", str(port)],
             self.run_dir.logs / "superlink.log", env=env,
         )
         try:
-            wait_for_port(HOST, port, 60, alive=superlink)
+            wait_for_port(host, port, 60, alive=superlink)
         except (RuntimeError, TimeoutError) as err:
             raise RunFailed(f"the SuperLink did not start: {err}") from None
         time.sleep(0.5)
@@ -248,9 +306,9 @@ class LocalRun:
             raise RunFailed(f"the SuperLink exited at start-up (code {superlink.process.returncode}); see {superlink.log_path}")
         for index, dc in enumerate(self.config.datacenters):
             name = dc.name
-            # each datacenter reaches the SuperLink through its own link: emulated (if configured) and measured
-            relay = LinkRelay(HOST, port, self.run_dir.link_ledger(name), link=dc.link, seed=self.config.run.seed * 100 + index).start()
-            self.relays[name] = relay
+            if self.network is None:  # each datacenter reaches the SuperLink through its own relay: emulated and measured
+                self.relays[name] = LinkRelay(HOST, port, self.run_dir.link_ledger(name), link=dc.link,
+                                              seed=self.config.run.seed * 100 + index).start()
             self._start_supernode(name)
 
     def submit(self) -> int:
@@ -327,21 +385,32 @@ class LocalRun:
             engine.dispose()
 
     def inject_faults(self, rounds_logged: int) -> None:
-        """Apply the config's link faults whose round has come (each once), and record them as events."""
-        due = [(i, f) for i, f in enumerate(self.config.link_faults) if i not in self.faults_done and rounds_logged >= f.after_round]
+        """Apply the config's link faults whose round (or time since the run started) has come, each once, and record
+        them as events."""
+        elapsed = time.time() - self.started_at
+        due = [(i, f) for i, f in enumerate(self.config.link_faults) if i not in self.faults_done and (
+            rounds_logged >= f.after_round if f.after_round is not None else elapsed >= float(f.after_s or 0.0))]
         if not due:
             return
         with RunLog(self.options.db_url) as runlog:
             for index, fault in due:
                 self.faults_done.add(index)
-                relay = self.relays[fault.datacenter]
-                if fault.kind == "cut":
-                    relay.cut(fault.cut_s)
-                    detail = {"seconds": fault.cut_s}
+                detail: dict[str, Any] = {"seconds": fault.cut_s} if fault.kind == "cut" else {}
+                if fault.between is not None:
+                    detail["between"] = list(fault.between)
+                if self.network is not None:
+                    if fault.kind == "cut":
+                        self.network.cut(fault.cut_s, datacenter=fault.datacenter, between=fault.between)
+                    else:
+                        self.network.reset(datacenter=fault.datacenter, between=fault.between)
                 else:
-                    relay.reset_connections()
-                    detail = {}
-                log.warning("link fault: %s on %s after round %d", fault.kind, fault.datacenter, rounds_logged)
+                    assert fault.datacenter is not None  # mesh faults are refused without the namespace emulator
+                    relay = self.relays[fault.datacenter]
+                    if fault.kind == "cut":
+                        relay.cut(fault.cut_s)
+                    else:
+                        relay.reset_connections()
+                log.warning("link fault: %s on %s after round %d (%.1f s)", fault.kind, fault.target, rounds_logged, elapsed)
                 runlog.log_event(run_id=self.run_id, kind=f"link-{fault.kind}", round=rounds_logged,
                                  datacenter=fault.datacenter, detail=detail)
             runlog.flush(timeout=10)
@@ -355,6 +424,7 @@ class LocalRun:
         try:
             self.prepare()
             prepared = True
+            self.start_network()
             self.start_trainers()
             if self.options.engine == "simulation":
                 summary = self._simulate()
@@ -381,7 +451,7 @@ class LocalRun:
         assert self.options.superlink is not None
         if self.options.engine != "deployment":
             raise RunFailed("a standing federation runs on Flower's Deployment Engine (--engine deployment)")
-        if self.config.link_faults or any(dc.link for dc in self.config.datacenters):
+        if self.config.link_faults or self.config.links or any(dc.link for dc in self.config.datacenters):
             raise RunFailed("links and link faults are emulated only for local runs; a standing federation has real links")
         self.prepare()
         self.write_flower_app(self.options.superlink, self.options.superlink_ca)
@@ -409,6 +479,8 @@ class LocalRun:
             kill_processes_with_env(RUN_MARKER_ENV, str(self.run_dir.path))
             for relay in self.relays.values():
                 relay.close()
+            if self.network is not None:
+                self.network.close()
             self.run_dir.remove_sockets()
         finally:
             for sig, handler in previous.items():

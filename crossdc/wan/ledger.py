@@ -1,0 +1,138 @@
+"""A link's ledger: what crossed it, one line per chunk (the relay) or packet (the delay line), and the questions
+the round asks of it: which transfers carried the round's messages, how long the link carried them, how many
+bytes went each way.
+
+A ledger line is ``direction size entered left exchange path``: ``up`` (datacenter → coordinator) or ``down``,
+bytes, the wall-clock times the bytes entered the link and were handed to the far side, the HTTP exchange
+("<connection>.<request>") and its request path, ``-`` where unknown. :func:`ledger_line` writes one,
+:class:`LedgerReader` reads them back.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from dataclasses import dataclass
+from pathlib import Path
+
+
+@dataclass(frozen=True)
+class Transfer:
+    """One chunk on the link, and the HTTP exchange (request path) it belongs to, if any."""
+
+    direction: str  # "up" or "down"
+    size: int
+    entered: float  # time.time() when the chunk entered the link
+    left: float  # time.time() when it was handed to the far side
+    exchange: str = "-"  # "<connection>.<request>" (an HTTP/1.1 request and its response), "-" if unknown
+    path: str = "-"  # the request's path, e.g. /v1/fleet/pull-object
+
+
+class ExchangeTracker:
+    """Follows HTTP/1.1 request lines on one connection, so every chunk can name the exchange it belongs to.
+
+    Flower 1.42's Fleet API is HTTP/1.1 (httpx): a request line starts the client's chunk that opens
+    the next exchange; the server's answer belongs to the latest request.
+    """
+
+    _METHODS = (b"POST ", b"GET ", b"PUT ", b"DELETE ", b"PATCH ", b"HEAD ")
+
+    def __init__(self, connection: int) -> None:
+        self.connection = connection
+        self.count = 0
+        self.path = "-"
+
+    def on_up(self, chunk: bytes) -> None:
+        if chunk.startswith(self._METHODS):
+            line = chunk.split(b"\r\n", 1)[0].split(b" ")
+            self.count += 1
+            self.path = line[1].decode("latin-1") if len(line) > 1 else "-"
+
+    @property
+    def exchange(self) -> str:
+        return f"{self.connection}.{self.count}" if self.count else "-"
+
+
+def pace(arrival: float, size: int, link_free_at: float, last_delivery: float, bandwidth_bps: float,
+         one_way_s: float, jitter_s: float = 0.0) -> tuple[float, float]:
+    """(time the link is free again, delivery time) of a chunk of `size` bytes arriving at `arrival`."""
+    start = max(arrival, link_free_at)
+    free_at = start + size * 8.0 / bandwidth_bps
+    return free_at, max(free_at + one_way_s + jitter_s, last_delivery)
+
+
+class LedgerReader:
+    """Reads a link's ledger incrementally and answers: what crossed the link in a time window?"""
+
+    def __init__(self, path: Path) -> None:
+        self.path = path
+        self._offset = 0
+        self._transfers: list[Transfer] = []
+
+    def _read_new(self) -> None:
+        if not self.path.exists():
+            return
+        with open(self.path, "rb") as handle:
+            handle.seek(self._offset)
+            data = handle.read()
+        complete = data[: data.rfind(b"\n") + 1]  # a line still being written waits for the next read
+        self._offset += len(complete)
+        for line in complete.decode().splitlines():
+            direction, size, entered, left, exchange, path = line.split()
+            self._transfers.append(Transfer(direction, int(size), float(entered), float(left), exchange, path))
+
+    def window(self, start: float, end: float) -> list[Transfer]:
+        """Transfers that entered the link within [start, end]; older ones are forgotten."""
+        self._read_new()
+        selected = [t for t in self._transfers if start <= t.entered <= end]
+        self._transfers = [t for t in self._transfers if t.entered > end]
+        return selected
+
+
+def time_in_flight(transfers: Iterable[Transfer]) -> float:
+    """Length of the union of the transfers' [entered, left] intervals: the time the link carried payload."""
+    total, current_start, current_end = 0.0, None, None
+    for transfer in sorted(transfers, key=lambda t: t.entered):
+        if current_end is None or transfer.entered > current_end:
+            if current_end is not None and current_start is not None:
+                total += current_end - current_start
+            current_start, current_end = transfer.entered, transfer.left
+        else:
+            current_end = max(current_end, transfer.left)
+    if current_start is not None and current_end is not None:
+        total += current_end - current_start
+    return total
+
+
+#: Fleet API requests that move a message's content (objects) or its acknowledgement
+_PAYLOAD_PATHS = ("/v1/fleet/pull-object", "/v1/fleet/push-object", "/v1/fleet/push-messages",
+                  "/v1/fleet/confirm-message-received", "/v1/fleet/get-run", "/v1/fleet/get-fab")
+_POLL_PATH = "/v1/fleet/pull-messages"
+
+
+def payload_transfers(transfers: list[Transfer]) -> list[Transfer]:
+    """The transfers that carried the round's messages: the poll that delivered the message (the last
+    pull-messages exchange before the first pull-object), then every exchange that moved objects or
+    acknowledged them. Idle polls and heartbeats are left out; non-HTTP traffic is kept whole."""
+    if not any(t.path != "-" for t in transfers):
+        return list(transfers)
+    ordered = sorted(transfers, key=lambda t: t.entered)
+    first_object = next((t.entered for t in ordered if t.path == "/v1/fleet/pull-object"), None)
+    delivering = None
+    if first_object is not None:
+        polls = [t for t in ordered if t.path == _POLL_PATH and t.entered <= first_object]
+        delivering = polls[-1].exchange if polls else None
+    return [t for t in ordered if t.path in _PAYLOAD_PATHS or (delivering is not None and t.exchange == delivering)]
+
+
+def bytes_by_direction(transfers: Iterable[Transfer]) -> dict[str, int]:
+    """Bytes that crossed the link in each direction ("up", "down")."""
+    totals = {"up": 0, "down": 0}
+    for transfer in transfers:
+        totals[transfer.direction] += transfer.size
+    return totals
+
+
+def ledger_line(transfer: Transfer) -> str:
+    """The ledger's line for `transfer` (newline included)."""
+    return (f"{transfer.direction} {transfer.size} {transfer.entered:.6f} {transfer.left:.6f} "
+            f"{transfer.exchange} {transfer.path}\n")
