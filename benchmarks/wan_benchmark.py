@@ -11,10 +11,15 @@ Methods and how each row is obtained (the table's "time" column says which):
   datacenters' workers: global batch 128, STEPS steps) and `sequential` (one worker, batch 32, 4 × STEPS steps).
   Their compute-only time is measured; all-workers' is its measured time divided by 4 (4 workers in parallel,
   intra-datacenter all-reduce taken as free).
-- synchronous data parallel across datacenters (τ = 1, fp32 gradients averaged every step, ring all-reduce over
-  the WAN): its training is the all-workers baseline's (averaging 4 datacenters' batch-32 gradients is one step on
-  their 128 examples; the baseline draws its 128 from the pooled data instead of 32 per datacenter), its time and
-  bytes come from the cost model (crossdc.wan.cost_model.ring_allreduce_time) with the measured compute.
+- synchronous data parallel across datacenters (τ = 1, fp32 gradients averaged every step over the WAN): its time
+  and bytes are *measured*: `crossdc run --baseline sync-dp` (torch DistributedDataParallel on gloo, each
+  datacenter a rank in its own network namespace, every datacenter pair joined by a transoceanic link of the
+  packet-level emulator) runs a stretch of a few rounds of a few steps (Size.sync_dp_*); the per-step time, WAN time and bytes of its steps
+  after the first round (connections and TCP windows warm) are extrapolated to the budget's steps — a measured
+  stretch extrapolated per step, not the whole budget (800 steps of ≈ 1 s would take the benchmark's whole
+  time again). Its training curve is the all-workers baseline's (averaging 4 datacenters' batch-32 gradients is one
+  step on their 128 examples; the baseline draws its 128 from the pooled data instead of 32 per datacenter). The
+  cost model's figure (crossdc.wan.cost_model.ring_allreduce_time, the textbook ring) is kept beside it.
 - Flower's own FedAvg (flwr.serverapp.strategy.FedAvg, unchanged) with a plain ClientApp at τ = 50
   (crossdc.testing.flower_baseline), run in Flower's simulation engine; each of its messages carries one Array per
   model tensor, which the time model counts (more objects, more round trips in Flower's protocol).
@@ -52,6 +57,7 @@ import argparse
 import multiprocessing
 import os
 import platform
+import statistics
 import tempfile
 import time
 from concurrent.futures import ProcessPoolExecutor
@@ -104,13 +110,16 @@ class Size:
     topk_warmup_rounds: int
     dgc_warmup_rounds: int
     eval_every_steps: int
+    #: the sync-dp row's measured stretch: rounds of sync_dp_tau steps (the first is warm-up, left out)
+    sync_dp_rounds: int = 4
+    sync_dp_tau: int = 5
 
 
 SIZES = {
     "full": Size(steps=800, tau=50, tau_warmup_start=10, tau_warmup_rounds=4, topk_warmup_rounds=4,
                  dgc_warmup_rounds=100, eval_every_steps=50),
     "tiny": Size(steps=4, tau=2, tau_warmup_start=2, tau_warmup_rounds=0, topk_warmup_rounds=1,
-                 dgc_warmup_rounds=1, eval_every_steps=2),
+                 dgc_warmup_rounds=1, eval_every_steps=2, sync_dp_rounds=2, sync_dp_tau=2),
 }
 
 
@@ -279,16 +288,47 @@ def baseline_row(kind: str, data: dict[str, Any], n: int) -> dict[str, Any]:
     return {"wall_s": elapsed, "compute_s": elapsed, "comm_s": 0.0, "overhead_s": 0.0, "bytes": 0, "steps": steps, "curve": curve}
 
 
-def sync_dp_row(all_workers: dict[str, Any], params: int, n: int, link: LinkSpec) -> dict[str, Any]:
-    """Synchronous data parallel across the WAN: all-workers' training and compute, a ring all-reduce per step."""
+def measure_sync_dp(size: Size, link: LinkSpec, root: Path) -> dict[str, Any]:
+    """A stretch of `crossdc run --baseline sync-dp` in the benchmark's setting, each datacenter pair on `link`:
+    per step (medians over the rounds after the first) its wall time, its WAN time (comm_s, from the delay line,
+    the mean over datacenters) and compute, and the bytes all datacenters sent."""
+    from crossdc.db.engine import make_engine, upgrade
+    from crossdc.db.queries import list_datacenter_rounds, list_rounds
+
+    doc = experiment(Method("sync-dp", "", "fedavg"), size, size.sync_dp_rounds)
+    doc["strategy"]["tau"] = size.sync_dp_tau
+    doc["datacenters"] = [{"name": name, "link": PROFILE} for name in DATACENTERS]
+    doc["links"] = [{"between": [a, b], "profile": PROFILE} for i, a in enumerate(DATACENTERS) for b in DATACENTERS[i + 1:]]
+    db_url = f"sqlite:///{root / 'sync-dp.db'}"
+    upgrade(db_url)
+    summary = run_baseline(parse_config(doc), "sync-dp", db_url, "sync-dp-stretch", runs_root=root / "runs")
+    engine = make_engine(db_url)
+    try:
+        rounds = [r for r in list_rounds(engine, summary["run_id"]) if r["round"] > 1]
+        dc_rounds = [r for r in list_datacenter_rounds(engine, summary["run_id"]) if r["round"] > 1]
+    finally:
+        engine.dispose()
+    per_step = statistics.median((r["wall_s"] - (r["eval_s"] or 0.0)) / r["tau"] for r in rounds)
+    comm = statistics.median(statistics.mean(d["comm_s"] for d in dc_rounds if d["round"] == r["round"]) / r["tau"] for r in rounds)
+    compute = statistics.median(max(d["compute_s"] for d in dc_rounds if d["round"] == r["round"]) / r["tau"] for r in rounds)
+    sent = statistics.median(r["bytes_up"] / r["tau"] for r in rounds)
+    return {"steps_measured": size.sync_dp_tau * (size.sync_dp_rounds - 1), "per_step_s": per_step, "per_step_comm_s": comm,
+            "per_step_compute_s": compute, "per_step_bytes": sent, "run_summary": summary}
+
+
+def sync_dp_row(all_workers: dict[str, Any], params: int, n: int, link: LinkSpec, measured: dict[str, Any]) -> dict[str, Any]:
+    """Synchronous data parallel across the WAN: all-workers' training and compute, the measured stretch's WAN time and
+    bytes per step (its steps' time less their compute) added to every step; the cost model's figure beside it."""
     gradient_bytes = 4 * params
-    per_step_comm = ring_allreduce_time(gradient_bytes, n, link.bandwidth_mbps, link.rtt_ms)
-    per_step_bytes = 2 * (n - 1) * gradient_bytes  # Σ over datacenters of the 2(N−1)/N · S each one sends
+    per_step_comm = measured["per_step_s"] - measured["per_step_compute_s"]
+    per_step_bytes = measured["per_step_bytes"]
     curve = [{**p, "bytes": p["steps"] * per_step_bytes, "wall_s": p["wall_s"] + p["steps"] * per_step_comm} for p in all_workers["curve"]]
     steps = all_workers["steps"]
     return {"wall_s": all_workers["compute_s"] + steps * per_step_comm, "compute_s": all_workers["compute_s"],
             "comm_s": steps * per_step_comm, "overhead_s": 0.0, "bytes": steps * per_step_bytes, "steps": steps,
-            "curve": curve, "per_step_comm_s": per_step_comm}
+            "curve": curve, "per_step_comm_s": per_step_comm, "measured_stretch": measured,
+            "cost_model_per_step_comm_s": ring_allreduce_time(gradient_bytes, n, link.bandwidth_mbps, link.rtt_ms),
+            "cost_model_per_step_bytes": 2 * (n - 1) * gradient_bytes}
 
 
 def time_to_loss(curve: list[dict[str, Any]], target: float) -> float | None:
@@ -488,6 +528,7 @@ def run(size_name: str, out: Path, only: list[str] | None = None, jobs: int = 2,
     # longest first (τ = 1 has the most rounds, Flower starts its engine), so that the pool ends together
     keys = sorted(federated, key=lambda k: (k != "fedavg-dgc", k != "flower-fedavg")) + ["all-workers", "sequential"]
     with tempfile.TemporaryDirectory() as tmp:
+        measured_sync = measure_sync_dp(size, link, Path(tmp) / "sync-dp")  # alone: it times the WAN, not the cores
         if jobs <= 1:
             done = {key: task(key, size_name, tmp, threads) for key in keys}
         else:
@@ -495,9 +536,9 @@ def run(size_name: str, out: Path, only: list[str] | None = None, jobs: int = 2,
                 futures = {key: pool.submit(task, key, size_name, tmp, threads) for key in keys}
                 done = {key: future.result() for key, future in futures.items()}
     params = sum(int(p.numel()) for p in build_model_for(size).parameters())
-    sync = {"key": "sync-dp", "label": "synchronous data parallel across datacenters (τ = 1, fp32, ring all-reduce)",
-            "time_from": "cost model (ring all-reduce), measured compute; training = all-workers",
-            **sync_dp_row(done["all-workers"], params, n, link)}
+    sync = {"key": "sync-dp", "label": "synchronous data parallel across datacenters (τ = 1, fp32, DDP on gloo)",
+            "time_from": "measured: sync-dp baseline over the emulated WAN (a stretch, per step); training = all-workers",
+            **sync_dp_row(done["all-workers"], params, n, link, measured_sync)}
     rows = [done["all-workers"], done["sequential"], sync, *(done[k] for k in federated)]
     finish_rows(rows)
     project(rows, params, n, link)

@@ -1,25 +1,35 @@
-"""Validate the cost model (`crossdc plan`) against runs over the emulated WAN.
+"""Validate the cost model (`crossdc plan`) against the packet-level WAN emulator, and measure the emulator's ceiling.
 
-For each link profile, runs a small real federation (2 datacenters, the Shakespeare char-transformer,
-Flower's Deployment Engine, every SuperNode behind crossdc's link relay) and compares the measured
-per-datacenter communication time of a round (comm_s, measured at the relay) with the cost model's
-prediction for the same payload, tensor count and link. Nothing in the model is fitted to these runs:
-its round-trip count comes from reading Flower's protocol, so every profile here is held out.
+Three parts (``--parts``), nothing in the model fitted to any of them (its round-trip counts come from reading
+Flower's and gloo's code, so every profile is held out):
 
-Also reports the byte cross-check: bytes that crossed the link for the round's messages against the
-payload sizes crossdc counts (the difference is HTTP + Flower object framing).
+- ``flower``: for each link profile, a small real federation (2 datacenters, the Shakespeare char-transformer,
+  Flower's Deployment Engine, each datacenter in its own network namespace behind the delay line): the measured
+  per-datacenter communication time of a round (comm_s, from the delay line's ledger) against the cost model's
+  prediction for the same payload, tensor count and link (``star_round``); plus the byte cross-check (bytes that
+  crossed the link for the round's messages against the payload crossdc counts: HTTP + Flower framing + IP/TCP).
+- ``gloo``: for each profile, gloo all-reduces (torch.distributed, what DistributedDataParallel runs) between two
+  datacenters' namespaces over a datacenter-to-datacenter link of that profile, several sizes: the measured time
+  per all-reduce (back to back, the steady state of synchronous data parallel) against
+  ``gloo_ring_allreduce_time`` (and the textbook ring's ``ring_allreduce_time``, for reference).
+- ``ceiling``: one bulk TCP stream through an unshaped datacenter → datacenter path (two hops of the delay line) at
+  MTU 65,000 and 1,500: the throughput the delay line sustains and the share of a core it uses.
 
-    python benchmarks/wan_validation.py [--profiles continental transoceanic constrained] [--rounds 3]
+    python benchmarks/wan_validation.py [--parts flower gloo ceiling] [--profiles continental transoceanic constrained]
 
-Writes benchmarks/results/wan_validation.json and prints a table (medians over datacenter-rounds).
+Writes benchmarks/results/wan_validation.json and prints the tables (medians). Needs root (network namespaces).
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import os
 import statistics
+import subprocess
+import sys
 import tempfile
+import time
 from pathlib import Path
 from typing import Any
 
@@ -30,7 +40,8 @@ from crossdc.experiment.config import parse_config
 from crossdc.experiment.links import LINK_PROFILES
 from crossdc.experiment.processes import free_port
 from crossdc.orchestration.local_run import LocalRunOptions, run_local
-from crossdc.wan.cost_model import StarPlan, star_round, uniform_datacenters
+from crossdc.wan.cost_model import StarPlan, gloo_ring_allreduce_time, ring_allreduce_time, star_round, uniform_datacenters
+from crossdc.wan.network import EmulatedNetwork
 
 HERE = Path(__file__).resolve().parent
 
@@ -45,15 +56,11 @@ def experiment(profile: str, rounds: int) -> dict[str, Any]:
     }
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--profiles", nargs="+", default=["continental", "transoceanic", "constrained"])
-    parser.add_argument("--rounds", type=int, default=3)
-    parser.add_argument("--out", default=str(HERE / "results" / "wan_validation.json"))
-    args = parser.parse_args()
+def flower_rows(profiles: list[str], rounds: int) -> list[dict[str, Any]]:
+    """Flower's message pairs: measured comm_s of real rounds against star_round's prediction."""
     rows = []
-    for profile in args.profiles:
-        config = parse_config(experiment(profile, args.rounds))
+    for profile in profiles:
+        config = parse_config(experiment(profile, rounds))
         model = initial_model(config, build_workload(config))
         params = sum(p.numel() for p in model.state_dict().values())
         tensors = len(model.state_dict())
@@ -84,15 +91,121 @@ def main() -> None:
         }
         rows.append(row)
         print(f"{profile}: predicted {row['comm_s_predicted']:.2f}s, measured median {row['comm_s_measured_median']:.2f}s", flush=True)
+    return rows
+
+
+GLOO_SIZES = (4096, 1024 * 1024, 8 * 1024 * 1024)
+PROBE = HERE / "allreduce_probe.py"
+
+
+def gloo_rows(profiles: list[str], repeats: int) -> list[dict[str, Any]]:
+    """gloo all-reduces between two namespaces over a mesh link of each profile, against the gloo ring model."""
+    rows = []
+    for profile in profiles:
+        link = LINK_PROFILES[profile]
+        with tempfile.TemporaryDirectory() as tmp, EmulatedNetwork([("dc-a", None), ("dc-b", None)], [("dc-a", "dc-b", link)],
+                                                                   Path(tmp)) as net:
+            master = f"{net.address('dc-a')}:29500"
+            sizes = ",".join(str(size) for size in GLOO_SIZES)
+            ranks = [subprocess.Popen([sys.executable, str(PROBE), str(rank), master, sizes, str(repeats)],
+                                      env={"GLOO_SOCKET_IFNAME": net.device(dc), "OMP_NUM_THREADS": "1", "PATH": "/usr/bin:/bin"},
+                                      preexec_fn=net.preexec(dc), stdout=subprocess.PIPE, text=True)
+                     for rank, dc in enumerate(("dc-a", "dc-b"))]
+            output = ranks[0].communicate(timeout=1800)[0]
+            ranks[1].wait(timeout=60)
+        measured = json.loads(output.strip().splitlines()[-1])
+        for size in GLOO_SIZES:
+            sample = measured[str(size)]
+            predicted = gloo_ring_allreduce_time(size, 2, link.bandwidth_mbps, link.rtt_ms)
+            rows.append({"profile": profile, "bandwidth_mbps": link.bandwidth_mbps, "rtt_ms": link.rtt_ms, "bytes": size,
+                         "measured_s_median": sample["median_s"], "measured_s_min": sample["min_s"], "measured_s_max": sample["max_s"],
+                         "predicted_s": predicted, "error_rel": sample["median_s"] / predicted - 1,
+                         "textbook_ring_s": ring_allreduce_time(size, 2, link.bandwidth_mbps, link.rtt_ms)})
+            print(f"gloo {profile} {size} B: predicted {predicted:.3f}s, measured {sample['median_s']:.3f}s", flush=True)
+    return rows
+
+
+BULK_RECEIVER = """
+import socket, sys, time
+server = socket.socket(); server.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+server.bind((sys.argv[1], 7000)); server.listen()
+print("listening", flush=True)
+connection, _ = server.accept(); received, first = 0, None
+while True:
+    data = connection.recv(1 << 20)
+    if not data:
+        break
+    first = first or time.perf_counter()
+    received += len(data)
+print(received * 8 / (time.perf_counter() - first) / 1e6, flush=True)
+"""
+BULK_SENDER = """
+import socket, sys
+connection = socket.create_connection((sys.argv[1], 7000)); data = b"x" * (1 << 20)
+for _ in range(int(sys.argv[2])):
+    connection.sendall(data)
+connection.close()
+"""
+
+
+def ceiling_rows(megabytes: int = 400) -> list[dict[str, Any]]:
+    """The delay line's throughput and CPU share for one TCP stream through two unshaped hops, at two MTUs."""
+    rows = []
+    for mtu, size in ((65_000, megabytes), (1_500, max(20, megabytes // 16))):
+        with tempfile.TemporaryDirectory() as tmp, EmulatedNetwork([("dc-a", None), ("dc-b", None)], [], Path(tmp), mtu=mtu) as net:
+            receiver = subprocess.Popen([sys.executable, "-c", BULK_RECEIVER, net.address("dc-b")], preexec_fn=net.preexec("dc-b"),
+                                        stdout=subprocess.PIPE, text=True)
+            assert receiver.stdout is not None
+            receiver.stdout.readline()
+            cpu_before, started = net.stats()["cpu_s"], time.perf_counter()
+            subprocess.run([sys.executable, "-c", BULK_SENDER, net.address("dc-b"), str(size)], preexec_fn=net.preexec("dc-a"),
+                           check=True, timeout=600)
+            mbps = float(receiver.communicate(timeout=60)[0].strip())
+            cpu_share = (net.stats()["cpu_s"] - cpu_before) / (time.perf_counter() - started)
+        rows.append({"mtu": mtu, "megabytes": size, "throughput_mbps": mbps, "delay_line_cpu_share": cpu_share})
+        print(f"ceiling at MTU {mtu}: {mbps:.0f} Mbps, delay line {100 * cpu_share:.0f}% of a core", flush=True)
+    return rows
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--parts", nargs="+", default=["ceiling", "gloo", "flower"], choices=["ceiling", "gloo", "flower"])
+    parser.add_argument("--profiles", nargs="+", default=["continental", "transoceanic", "constrained"])
+    parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--repeats", type=int, default=3, help="gloo: timed loops per size, each of this many all-reduces")
+    parser.add_argument("--out", default=str(HERE / "results" / "wan_validation.json"))
+    args = parser.parse_args()
+    result: dict[str, Any] = {"note": "nothing fitted: every profile is held out", "machine_cores": os.cpu_count()}
+    if "ceiling" in args.parts:
+        result["ceiling"] = ceiling_rows()
+    if "gloo" in args.parts:
+        result["gloo"] = gloo_rows(args.profiles, args.repeats)
+    rows = flower_rows(args.profiles, args.rounds) if "flower" in args.parts else []
+    result["rows"] = rows
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-    Path(args.out).write_text(json.dumps({"rows": rows, "note": "nothing fitted: every profile is held out"}, indent=1))
+    Path(args.out).write_text(json.dumps(result, indent=1))
+    print_tables(result)
+    print(f"written to {args.out}")
+
+
+def print_tables(result: dict[str, Any]) -> None:
+    for c in result.get("ceiling", []):
+        print(f"ceiling  MTU {c['mtu']:>6}: {c['throughput_mbps']:8.0f} Mbps, delay line {100 * c['delay_line_cpu_share']:.0f}% of a core")
+    if result.get("gloo"):
+        print(f"\n{'gloo all-reduce':<16}{'bytes':>10}{'predicted s':>13}{'measured s (min–max)':>24}{'error':>8}{'textbook ring s':>17}")
+        for g in result["gloo"]:
+            span = f"{g['measured_s_median']:.3f} ({g['measured_s_min']:.3f}–{g['measured_s_max']:.3f})"
+            print(f"{g['profile']:<16}{g['bytes']:>10}{g['predicted_s']:>13.3f}{span:>24}{100 * g['error_rel']:>7.0f}%"
+                  f"{g['textbook_ring_s']:>17.3f}")
+    rows = result.get("rows", [])
+    if not rows:
+        return
     print(f"\n{'profile':<14}{'link':>18}{'k':>5}{'predicted s':>13}{'measured s (min–max)':>24}{'error':>8}{'framing up/down':>18}")
     for r in rows:
         link = f"{r['bandwidth_mbps']:g} Mbps/{r['rtt_ms']:g} ms"
         span = f"{r['comm_s_measured_median']:.2f} ({r['comm_s_measured_min']:.2f}–{r['comm_s_measured_max']:.2f})"
         print(f"{r['profile']:<14}{link:>18}{r['round_trips_predicted']:>5}{r['comm_s_predicted']:>13.2f}{span:>24}"
               f"{100 * r['error_rel']:>7.0f}%{100 * r['framing_overhead_up']:>8.1f}%/{100 * r['framing_overhead_down']:.1f}%")
-    print(f"written to {args.out}")
 
 
 if __name__ == "__main__":

@@ -147,7 +147,8 @@ def run(
     db: str | None = DB_OPTION,
     as_json: bool = typer.Option(False, "--json", help="Print the run's summary as a JSON object on the last line."),
     baseline: str | None = typer.Option(None, "--baseline",
-                                        help="Instead of the federation, run a single-datacenter baseline: all-workers or sequential."),
+                                        help="Instead of the federation, run a baseline: all-workers or sequential (one "
+                                             "datacenter), or sync-dp (synchronous data parallel across the emulated WAN)."),
     superlink: str | None = typer.Option(None, "--superlink",
                                          help="HOST:PORT of a standing federation's SuperLink (its private Control API): submit there; "
                                               "Ctrl-C detaches."),
@@ -181,7 +182,8 @@ def run(
         run_id = uuid.uuid4().hex
         typer.echo(f"run {run_id}: {baseline} baseline of {config.run.name}", err=True)
         summary = run_baseline(config, baseline, db_url, run_id,
-                               progress=None if as_json else (lambda rows: _print_round(rows, config.run.rounds)))
+                               progress=None if as_json else (lambda rows: _print_round(rows, config.run.rounds)),
+                               runs_root=runs_dir)
     else:
         summary = _run_experiment(config, db_url, engine, port, runs_dir, quiet=as_json, superlink=superlink, detach=detach,
                                   superlink_ca=superlink_ca)

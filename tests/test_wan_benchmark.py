@@ -55,13 +55,16 @@ def test_timeline_adds_the_slowest_datacenter_and_the_platform_time(bench) -> No
     assert bench.timeline(rounds, link, tensors=30, records=2)["wall_s"] > out["wall_s"]
 
 
-def test_sync_data_parallel_pays_a_ring_all_reduce_per_step(bench) -> None:
+def test_sync_data_parallel_adds_its_measured_wan_time_to_every_step(bench) -> None:
     link = LINK_PROFILES["transoceanic"]
     all_workers = {"compute_s": 10.0, "steps": 100,
                    "curve": [{"steps": 100, "bytes": 0, "wall_s": 10.0, "val_loss": 2.0, "val_accuracy": 0.4}]}
-    row = bench.sync_dp_row(all_workers, params=1000, n=4, link=link)
-    assert row["bytes"] == 100 * 2 * 3 * 4000
-    assert row["wall_s"] == pytest.approx(10.0 + 100 * ring_allreduce_time(4000, 4, link.bandwidth_mbps, link.rtt_ms))
+    measured = {"per_step_s": 0.6, "per_step_compute_s": 0.1, "per_step_bytes": 30_000}
+    row = bench.sync_dp_row(all_workers, params=1000, n=4, link=link, measured=measured)
+    assert row["bytes"] == 100 * 30_000 and row["comm_s"] == pytest.approx(100 * 0.5)
+    assert row["wall_s"] == pytest.approx(10.0 + 100 * 0.5)  # the measured WAN time per step, added to every step
+    assert row["cost_model_per_step_comm_s"] == pytest.approx(ring_allreduce_time(4000, 4, link.bandwidth_mbps, link.rtt_ms))
+    assert row["cost_model_per_step_bytes"] == 2 * 3 * 4000
     assert bench.time_to_loss([{"wall_s": 1.0, "val_loss": 3.0}, {"wall_s": 2.0, "val_loss": 1.9}], 2.0) == 2.0
     assert bench.time_to_loss([{"wall_s": 1.0, "val_loss": 3.0}], 2.0) is None
 
@@ -76,7 +79,9 @@ def test_every_row_runs_at_the_tiny_size(bench, tmp_path: Path) -> None:
         assert row["steps"] == size.steps, key  # the same gradient computations per datacenter for everyone
         assert row["curve"] and all(p["val_loss"] > 0 for p in row["curve"]), key
     params = result["setting"]["params"]
-    assert rows["sync-dp"]["bytes"] == size.steps * 2 * 3 * 4 * params
+    # measured at the delay line: each of the 4 ranks sends 2(N−1)/N of the fp32 gradient per step, plus headers
+    assert size.steps * 2 * 3 * 4 * params <= rows["sync-dp"]["bytes"] <= 1.2 * size.steps * 2 * 3 * 4 * params
+    assert rows["sync-dp"]["measured_stretch"]["per_step_comm_s"] > 0
     # dense rows move about the model both ways per datacenter and round; the codecs move less
     dense = rows["diloco"]["bytes"]
     assert dense >= 2 * 4 * 4 * params * (size.steps // size.tau)

@@ -85,10 +85,17 @@ class LocalTrainer:
     With W > 1 ranks only rank 0 sleeps: the others wait for it in the next step's gradient all-reduce, so the
     whole group runs at the emulated speed (were every rank to sleep, each would also stretch the time it waited
     for the others' sleep, and the sleeps would grow without bound).
+
+    Synchronous data parallel across datacenters (crossdc.clients.sync_dp_rank): `all_ranks` ranks in `datacenters`
+    datacenters share one process group; `rank`/`world` stay the rank's place in its own datacenter (which slice of
+    the datacenter's batch it takes). Each rank's objective is scaled by all_ranks / (datacenters · world), so the
+    gradient DistributedDataParallel averages over all ranks is the mean over datacenters of each datacenter's batch
+    gradient — the gradient of the datacenters' batches concatenated, whatever their worker counts.
     """
 
     def __init__(self, workload: Workload, dataset: TensorDataset, batch_size: int, optimizer: str, lr: float, seed: int,
-                 rank: int = 0, world: int = 1, device: str = "cpu", precision: str = "fp32", speed: float = 1.0) -> None:
+                 rank: int = 0, world: int = 1, device: str = "cpu", precision: str = "fp32", speed: float = 1.0,
+                 all_ranks: int | None = None, datacenters: int = 1) -> None:
         if batch_size % world:
             raise ValueError(f"the batch size {batch_size} must be divisible by the {world} local workers")
         if not 0.0 < speed <= 1.0:
@@ -102,8 +109,10 @@ class LocalTrainer:
         autocast(precision, device)  # an unknown precision fails here, not at the first step
         self.model = workload.make_model().to(self.device)
         self.rank, self.world = rank, world
+        self.all_ranks = world if all_ranks is None else all_ranks
+        self.objective_scale = self.all_ranks / (datacenters * world)
         self.forward: torch.nn.Module = self.model
-        if world > 1:
+        if self.all_ranks > 1:
             from torch.nn.parallel import DistributedDataParallel
 
             ids = [self.device.index] if self.device.type == "cuda" else None
@@ -146,7 +155,7 @@ class LocalTrainer:
                 loss = self.workload.loss(self.forward(inputs), targets)
             loss = loss.float()
             objective = loss if extra_loss is None else loss + extra_loss(self.model)
-            objective.backward()
+            (objective if self.objective_scale == 1.0 else objective * self.objective_scale).backward()
             if after_backward is not None:
                 after_backward(self.model)
             self.optimizer.step()
@@ -163,12 +172,12 @@ class LocalTrainer:
         if self.slowdown > 0.0 and (ahead := deadline - time.perf_counter()) > 0.0:
             time.sleep(ahead)
         mean_loss = total_loss / steps
-        if self.world > 1:  # the mean over ranks of equal slices is the global batch's mean loss
+        if self.all_ranks > 1:  # the mean over ranks of equal slices is the global batch's mean loss
             import torch.distributed as dist
 
             summed = torch.tensor([mean_loss], dtype=torch.float64, device=self.device)
             dist.all_reduce(summed)
-            mean_loss = float(summed) / self.world
+            mean_loss = float(summed) / self.all_ranks
         return StepsResult(steps=steps, mean_loss=mean_loss, num_examples=examples, compute_s=time.perf_counter() - started)
 
     def state_dict(self) -> dict[str, Any]:

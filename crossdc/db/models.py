@@ -47,7 +47,7 @@ from sqlalchemy.orm import DeclarativeBase, Mapped, mapped_column
 
 # Allowed values of the status-like columns.
 RUN_STATUSES: tuple[str, ...] = ("running", "finished", "failed", "interrupted")
-BASELINES: tuple[str, ...] = ("none", "all-workers", "sequential")
+BASELINES: tuple[str, ...] = ("none", "all-workers", "sequential", "sync-dp")
 DATACENTER_ROUND_STATUSES: tuple[str, ...] = ("ok", "failed", "timeout", "rejected")
 ASYNC_UPDATE_STATUSES: tuple[str, ...] = ("applied", "discarded")
 DATACENTER_STATUSES: tuple[str, ...] = ("active", "suspended", "revoked")

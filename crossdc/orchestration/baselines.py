@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable
+from pathlib import Path
 from typing import Any
 
 from crossdc.clients.local_training import LocalTrainer
@@ -28,13 +29,15 @@ from crossdc.experiment.builders import build_strategy, build_workload, initial_
 from crossdc.experiment.config import ExperimentConfig
 from crossdc.workloads import evaluate, model_weights
 
-BASELINE_KINDS = ("all-workers", "sequential")
+#: the baselines one process trains here; "sync-dp" (crossdc.orchestration.sync_dp) runs across the emulated WAN
+LOCAL_BASELINES = ("all-workers", "sequential")
+BASELINE_KINDS = (*LOCAL_BASELINES, "sync-dp")
 
 
 def baseline_plan(config: ExperimentConfig, kind: str) -> tuple[int, list[int]]:
     """(batch size, optimizer steps per round) of baseline `kind` for this experiment."""
-    if kind not in BASELINE_KINDS:
-        raise ValueError(f"unknown baseline '{kind}'; known: {', '.join(BASELINE_KINDS)}")
+    if kind not in LOCAL_BASELINES:
+        raise ValueError(f"unknown baseline '{kind}'; known: {', '.join(LOCAL_BASELINES)}")
     strategy = build_strategy(config)
     n = len(config.datacenters)
     taus = [strategy.tau(r) for r in range(1, config.run.rounds + 1)]
@@ -45,8 +48,13 @@ def baseline_plan(config: ExperimentConfig, kind: str) -> tuple[int, list[int]]:
 
 
 def run_baseline(config: ExperimentConfig, kind: str, db_url: str, run_id: str,
-                 progress: Callable[[list[dict[str, Any]]], None] | None = None) -> dict[str, Any]:
-    """Train baseline `kind`, log it as run `run_id` (runs.baseline = kind); return its summary."""
+                 progress: Callable[[list[dict[str, Any]]], None] | None = None, runs_root: Path = Path("runs")) -> dict[str, Any]:
+    """Train baseline `kind`, log it as run `run_id` (runs.baseline = kind); return its summary. "sync-dp" runs its
+    ranks in the datacenters' namespaces (its folder under `runs_root`)."""
+    if kind == "sync-dp":
+        from crossdc.orchestration.sync_dp import run_sync_dp
+
+        return run_sync_dp(config, db_url, run_id, runs_root=runs_root, progress=progress)
     batch, steps_per_round = baseline_plan(config, kind)
     workload = build_workload(config)
     model = initial_model(config, workload)

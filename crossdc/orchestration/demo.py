@@ -19,7 +19,7 @@ from crossdc.db.queries import list_datacenter_rounds
 from crossdc.deployment.background_server import BackgroundServer, start_background, uvicorn_config
 from crossdc.experiment.config import load_config, with_rounds
 from crossdc.experiment.processes import PortInUse, ensure_port_free
-from crossdc.orchestration.baselines import BASELINE_KINDS, gap_to, run_baseline
+from crossdc.orchestration.baselines import LOCAL_BASELINES, gap_to, run_baseline
 from crossdc.orchestration.local_run import LocalRunOptions, run_local
 
 QUICK_ROUNDS = 2
@@ -145,7 +145,7 @@ def _run_and_report(console: Console, config: Any, db_url: str, port: int, runs_
         federated = run_local(config, LocalRunOptions(db_url=db_url, superlink_port=port, runs_root=runs_dir, progress=on_round)).summary
         progress.done("federation")
         baselines: dict[str, dict[str, Any]] = {}
-        for kind in BASELINE_KINDS:
+        for kind in LOCAL_BASELINES:
             baselines[kind] = run_baseline(config, kind, db_url, uuid.uuid4().hex,
                                            progress=progress.track(f"{kind} baseline", config.run.rounds))
     breakdown = _time_breakdown(db_url, federated["run_id"])

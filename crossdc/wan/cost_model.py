@@ -139,6 +139,51 @@ def ring_allreduce_time(nbytes: float, datacenters: int, bandwidth_mbps: float, 
     return bandwidth_term + latency_term
 
 
+#: gloo/allreduce.h (pytorch/gloo) kMaxSegmentSize: the ring moves a buffer in segments of at most 1 MiB
+GLOO_MAX_SEGMENT_BYTES = 1024 * 1024
+#: gloo/allreduce.cc ring(): at most two segments in flight per phase
+GLOO_SEGMENTS_IN_FLIGHT = 2
+
+
+def gloo_ring_allreduce_time(nbytes: float, ranks: int, bandwidth_mbps: float, rtt_ms: float,
+                             max_segment_bytes: int = GLOO_MAX_SEGMENT_BYTES) -> float:
+    """Seconds for gloo's ring all-reduce (torch.distributed's CPU all-reduce, what DistributedDataParallel runs on
+    gloo) of `nbytes` over `ranks` ranks, each hop of the ring a WAN link (B, RTT), as gloo schedules it.
+
+    Read in gloo's source (allreduce.cc ``ring``, transport/tcp/pair.cc), nothing fitted:
+    - the buffer is cut into M = roundup(max(⌈S/1 MiB⌉, 2N), N) segments; reduce-scatter and then all-gather each
+      move M − M/N segments to the ring neighbour, in order, at most two in flight: segment i is posted when
+      segment i−2 has been received;
+    - a send waits for the receiver's "ready to receive" notice (the tcp transport's rendezvous): posted at the
+      same moment on both sides, a segment leaves one one-way delay after it is posted (or when the hop is free),
+      occupies the hop s/B, and arrives one one-way delay later;
+    - every rank runs the same schedule (the ring is symmetric), so one rank's timeline is the all-reduce's.
+    TCP's own dynamics (slow start, windows) are not modelled. N = 1 needs no communication (0 s).
+    """
+    _non_negative("bytes", nbytes)
+    _positive_int("ranks", ranks)
+    _positive("bandwidth (Mbps)", bandwidth_mbps)
+    _non_negative("RTT (ms)", rtt_ms)
+    if ranks == 1:
+        return 0.0
+    segments = max(math.ceil(nbytes / max_segment_bytes), 2 * ranks)
+    segments = math.ceil(segments / ranks) * ranks
+    transfers = segments - segments // ranks
+    segment_s = transfer_time(nbytes / segments, bandwidth_mbps)
+    one_way = rtt_ms / 2000.0
+
+    def phase(start: float) -> float:
+        hop_free, arrived = start, list[float]()
+        for i in range(transfers):
+            posted = start if i < GLOO_SEGMENTS_IN_FLIGHT else arrived[i - GLOO_SEGMENTS_IN_FLIGHT]
+            leaves = max(posted + one_way, hop_free)
+            hop_free = leaves + segment_s
+            arrived.append(hop_free + one_way)
+        return max(arrived)
+
+    return phase(phase(0.0))
+
+
 @dataclass(frozen=True)
 class SyncDPEstimate:
     """One step of synchronous data parallel across datacenters (ring all-reduce of fp32 gradients).

@@ -136,3 +136,16 @@ def ledger_line(transfer: Transfer) -> str:
     """The ledger's line for `transfer` (newline included)."""
     return (f"{transfer.direction} {transfer.size} {transfer.entered:.6f} {transfer.left:.6f} "
             f"{transfer.exchange} {transfer.path}\n")
+
+
+def bytes_of_datacenter(transfers: Iterable[Transfer], datacenter: str) -> dict[str, int]:
+    """Bytes that left (``up``) and reached (``down``) `datacenter` in `transfers` taken from its star ledger (directions
+    ``up``/``down``) and its mesh ledgers (directions ``<from>><to>``)."""
+    totals = {"up": 0, "down": 0}
+    for transfer in transfers:
+        if transfer.direction in totals:
+            totals[transfer.direction] += transfer.size
+        else:
+            source = transfer.direction.split(">", 1)[0]
+            totals["up" if source == datacenter else "down"] += transfer.size
+    return totals

@@ -21,10 +21,10 @@ import dataclasses
 import json
 import logging
 import os
+import select
 import subprocess
 import sys
 import threading
-import time
 from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import IO, Any
@@ -41,6 +41,8 @@ SLOTS = 256
 DEFAULT_MTU = 65_000
 STATE_ROOT = Path("/run/crossdc-wan")
 READY_TIMEOUT_S = 30.0
+#: a cut the coordinator does not end (it died) ends by itself this much after its time
+CUT_GRACE_S = 5.0
 
 
 class NamespacesUnavailable(RuntimeError):
@@ -93,6 +95,8 @@ def _remove_run(state: dict[str, Any]) -> None:
             netns.remove(name)
         except OSError as err:
             log.warning("could not remove network namespace %s: %s", name, err)
+    if not state.get("network"):
+        return
     with IPRoute() as ipr:
         try:
             ipr.route("del", dst=state["network"], type="blackhole")
@@ -113,6 +117,7 @@ def sweep(state_root: Path = STATE_ROOT) -> list[str]:
         if _owner_alive(state):
             continue
         _remove_run(state)
+        (state_root / path.name.replace("slot-", "spec-")).unlink(missing_ok=True)
         path.unlink(missing_ok=True)
         swept.append(path.name)
     return swept
@@ -137,6 +142,10 @@ class EmulatedNetwork:
         self.log_path = log_path
         self.slot: int | None = None
         self.process: subprocess.Popen[str] | None = None
+        self._log: IO[str] | None = None
+        #: what this run made (removed by close); a failed start removes only these
+        self._created: list[str] = []
+        self._blackhole = False
         self._lock = threading.Lock()
         self._timers: list[threading.Timer] = []
 
@@ -181,11 +190,12 @@ class EmulatedNetwork:
             log.warning("removed what %d earlier run(s) left behind: %s", len(swept), ", ".join(swept))
         self._claim_slot()
         try:
-            state = self._state()
             with IPRoute() as ipr:
                 ipr.route("add", dst=self.network, type="blackhole")
-            for name in state["namespaces"]:
+            self._blackhole = True
+            for name in self._state()["namespaces"]:
                 netns.create(name)
+                self._created.append(name)
             self._start_delay_line()
         except BaseException:
             self.close()
@@ -193,8 +203,18 @@ class EmulatedNetwork:
         return self
 
     def _claim_slot(self) -> None:
+        """The lowest slot free in `state_root` whose names (namespaces, device, route) nobody on this machine uses."""
+        from pyroute2 import IPRoute, netns
+
         self.state_root.mkdir(parents=True, exist_ok=True)
+        namespaces = set(netns.listnetns())
+        with IPRoute() as ipr:
+            devices = {link.get_attr("IFLA_IFNAME") for link in ipr.get_links()}
+            routes = {f"{route.get_attr('RTA_DST')}/{route['dst_len']}" for route in ipr.get_routes(family=2)}
         for slot in range(SLOTS):
+            if (f"cdc{slot}" in devices or f"{NETWORK_PREFIX}.{slot}.0/24" in routes
+                    or any(name.startswith(f"cdc{slot}-") for name in namespaces)):
+                continue  # another state folder's run (or what a dead one left) holds these names
             path = self.state_root / f"slot-{slot}.json"
             try:
                 fd = os.open(path, os.O_CREAT | os.O_EXCL | os.O_WRONLY, 0o644)
@@ -221,23 +241,20 @@ class EmulatedNetwork:
 
     def _start_delay_line(self) -> None:
         assert self.slot is not None
-        spec_path = self.state_root / f"slot-{self.slot}.spec.json"
+        spec_path = self.state_root / f"spec-{self.slot}.json"
         spec_path.write_text(json.dumps(self._spec()))
-        stderr: IO[str] | int = open(self.log_path, "a") if self.log_path else subprocess.DEVNULL
+        self._log = open(self.log_path, "a") if self.log_path else None
         self.process = subprocess.Popen(
             [sys.executable, "-m", "crossdc.wan.delay_line", str(spec_path)], stdin=subprocess.PIPE,
-            stdout=subprocess.PIPE, stderr=stderr, text=True, preexec_fn=die_with_parent,
+            stdout=subprocess.PIPE, stderr=self._log or subprocess.DEVNULL, text=True, preexec_fn=die_with_parent,
         )
         assert self.process.stdout is not None
-        deadline = time.monotonic() + READY_TIMEOUT_S
-        line = ""
-        while time.monotonic() < deadline:
-            line = self.process.stdout.readline()
-            if line.strip() == "ready" or not line:
-                break
+        ready, _, _ = select.select([self.process.stdout], [], [], READY_TIMEOUT_S)
+        line = self.process.stdout.readline() if ready else ""
         if line.strip() != "ready":
             self.process.kill()
-            raise RuntimeError(f"the delay line did not start (code {self.process.poll()}); see {self.log_path or 'its stderr'}")
+            raise RuntimeError(f"the delay line did not start within {READY_TIMEOUT_S:.0f} s (code {self.process.poll()}); "
+                               f"see {self.log_path or 'its stderr'}")
 
     # ------------------------------------------------------------------ faults
     def star_hops(self, datacenter: str) -> list[str]:
@@ -250,9 +267,19 @@ class EmulatedNetwork:
         """Drop every packet of the datacenter's star link (or of the mesh link `between`) for `seconds`; reset the
         connections that cross it now and when the cut ends."""
         hops = self.star_hops(datacenter) if datacenter else self.mesh_hops(*between)  # type: ignore[misc]
-        self._control({"op": "cut", "hops": hops, "seconds": seconds})
+        # the delay line holds the cut until told to restore (or CUT_GRACE_S later): the reset at the end comes first,
+        # so a connection opened as the link returns is never caught by it
+        self._control({"op": "cut", "hops": hops, "seconds": seconds + CUT_GRACE_S})
         self.reset(datacenter=datacenter, between=between)
-        timer = threading.Timer(seconds, self.reset, kwargs={"datacenter": datacenter, "between": between})
+
+        def restore() -> None:
+            self.reset(datacenter=datacenter, between=between)
+            try:
+                self._control({"op": "restore", "hops": hops})
+            except RuntimeError:  # the network was closed meanwhile
+                pass
+
+        timer = threading.Timer(seconds, restore)
         timer.daemon = True
         timer.start()
         self._timers.append(timer)
@@ -299,10 +326,17 @@ class EmulatedNetwork:
                 except (OSError, subprocess.TimeoutExpired):
                     self.process.kill()
                     self.process.wait(timeout=5)
+            for stream in (self.process.stdin, self.process.stdout):
+                if stream is not None:
+                    stream.close()
             self.process = None
+        if self._log is not None:
+            self._log.close()
+            self._log = None
         if self.slot is not None:
-            _remove_run(self._state())
-            (self.state_root / f"slot-{self.slot}.spec.json").unlink(missing_ok=True)
+            _remove_run({**self._state(), "namespaces": self._created, "network": self.network if self._blackhole else None})
+            self._created, self._blackhole = [], False
+            (self.state_root / f"spec-{self.slot}.json").unlink(missing_ok=True)
             (self.state_root / f"slot-{self.slot}.json").unlink(missing_ok=True)
             self.slot = None
 
