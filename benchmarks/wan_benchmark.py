@@ -54,6 +54,7 @@ Writes wan_benchmark.json, wan_benchmark.md and wan_benchmark.html (plotly: vali
 from __future__ import annotations
 
 import argparse
+import json
 import multiprocessing
 import os
 import platform
@@ -299,6 +300,7 @@ def measure_sync_dp(size: Size, link: LinkSpec, root: Path) -> dict[str, Any]:
     doc["strategy"]["tau"] = size.sync_dp_tau
     doc["datacenters"] = [{"name": name, "link": PROFILE} for name in DATACENTERS]
     doc["links"] = [{"between": [a, b], "profile": PROFILE} for i, a in enumerate(DATACENTERS) for b in DATACENTERS[i + 1:]]
+    root.mkdir(parents=True, exist_ok=True)
     db_url = f"sqlite:///{root / 'sync-dp.db'}"
     upgrade(db_url)
     summary = run_baseline(parse_config(doc), "sync-dp", db_url, "sync-dp-stretch", runs_root=root / "runs")
@@ -571,8 +573,44 @@ def main() -> None:
     parser.add_argument("--only", nargs="*", help="federated rows to run (keys); default: all")
     parser.add_argument("--jobs", type=int, default=2, help="rows trained at once, one process each (default 2)")
     parser.add_argument("--threads", type=int, default=1, help="torch threads per row (default 1)")
+    parser.add_argument("--sync-dp-only", action="store_true",
+                        help="only the sync-dp row's measured stretch, against the cost model's figure "
+                             "(writes wan_benchmark_sync_dp[-size].json)")
     args = parser.parse_args()
-    run(args.size, args.out, args.only, args.jobs, args.threads)
+    if args.sync_dp_only:
+        sync_dp_only(args.size, args.out)
+    else:
+        run(args.size, args.out, args.only, args.jobs, args.threads)
+
+
+def sync_dp_only(size_name: str, out: Path) -> dict[str, Any]:
+    """The sync-dp row's measured stretch alone, beside the cost model's per-step figures (textbook ring and gloo)."""
+    from crossdc.wan.cost_model import gloo_ring_allreduce_time
+
+    size = SIZES[size_name]
+    link = LINK_PROFILES[PROFILE]
+    n = len(DATACENTERS)
+    params = sum(int(p.numel()) for p in build_model_for(size).parameters())
+    with tempfile.TemporaryDirectory() as tmp:
+        measured = measure_sync_dp(size, link, Path(tmp))
+    measured.pop("run_summary", None)
+    gradient_bytes = 4 * params
+    result = {"setting": {"size": size_name, "params": params, "datacenters": list(DATACENTERS), "link": asdict(link)},
+              "measured": measured, "measured_comm_per_step_s": measured["per_step_s"] - measured["per_step_compute_s"],
+              "cost_model_ring_per_step_s": ring_allreduce_time(gradient_bytes, n, link.bandwidth_mbps, link.rtt_ms),
+              "cost_model_gloo_per_step_s": gloo_ring_allreduce_time(gradient_bytes, n, link.bandwidth_mbps, link.rtt_ms),
+              "cost_model_bytes_per_step": 2 * (n - 1) * gradient_bytes}
+    suffix = "" if size_name == "full" else f"-{size_name}"
+    out.mkdir(parents=True, exist_ok=True)
+    (out / f"wan_benchmark_sync_dp{suffix}.json").write_text(json.dumps(result, indent=1))
+    print(f"{'sync DP per step (' + str(n) + ' datacenters, ' + link.describe() + ')':<70}{'s':>8}{'MB sent':>10}")
+    print(f"{'measured: wall':<70}{measured['per_step_s']:>8.3f}{measured['per_step_bytes'] / 1e6:>10.2f}")
+    print(f"{'measured: WAN (wall − compute)':<70}{result['measured_comm_per_step_s']:>8.3f}")
+    print(f"{'measured: comm_s (delay line, mean over datacenters)':<70}{measured['per_step_comm_s']:>8.3f}")
+    print(f"{'cost model: textbook ring (the benchmark used it until now)':<70}{result['cost_model_ring_per_step_s']:>8.3f}"
+          f"{result['cost_model_bytes_per_step'] / 1e6:>10.2f}")
+    print(f"{'cost model: gloo ring':<70}{result['cost_model_gloo_per_step_s']:>8.3f}")
+    return result
 
 
 if __name__ == "__main__":

@@ -40,7 +40,13 @@ from crossdc.experiment.config import parse_config
 from crossdc.experiment.links import LINK_PROFILES
 from crossdc.experiment.processes import free_port
 from crossdc.orchestration.local_run import LocalRunOptions, run_local
-from crossdc.wan.cost_model import StarPlan, gloo_ring_allreduce_time, ring_allreduce_time, star_round, uniform_datacenters
+from crossdc.wan.cost_model import (
+    StarPlan,
+    gloo_ring_allreduce_time,
+    ring_allreduce_time,
+    star_round,
+    uniform_datacenters,
+)
 from crossdc.wan.network import EmulatedNetwork
 
 HERE = Path(__file__).resolve().parent
@@ -175,14 +181,16 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=3, help="gloo: timed loops per size, each of this many all-reduces")
     parser.add_argument("--out", default=str(HERE / "results" / "wan_validation.json"))
     args = parser.parse_args()
-    result: dict[str, Any] = {"note": "nothing fitted: every profile is held out", "machine_cores": os.cpu_count()}
+    out = Path(args.out)
+    result: dict[str, Any] = json.loads(out.read_text()) if out.exists() else {}  # the parts not run now are kept
+    result.update({"note": "nothing fitted: every profile is held out", "machine_cores": os.cpu_count()})
     if "ceiling" in args.parts:
         result["ceiling"] = ceiling_rows()
     if "gloo" in args.parts:
         result["gloo"] = gloo_rows(args.profiles, args.repeats)
-    rows = flower_rows(args.profiles, args.rounds) if "flower" in args.parts else []
-    result["rows"] = rows
-    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
+    if "flower" in args.parts:
+        result["rows"] = flower_rows(args.profiles, args.rounds)
+    out.parent.mkdir(parents=True, exist_ok=True)
     Path(args.out).write_text(json.dumps(result, indent=1))
     print_tables(result)
     print(f"written to {args.out}")

@@ -18,9 +18,13 @@ from sqlalchemy.engine import make_url
 from crossdc.db.engine import make_engine, upgrade
 from crossdc.db.queries import get_run, list_datacenter_rounds, list_events, list_rounds
 from crossdc.experiment.processes import is_running
+from crossdc.wan.network import namespaces_unavailable
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from tcp_relay import TcpRelay  # noqa: E402
+
+#: what measures a local run's links here: the namespace emulator where it can run, else the relay fallback
+COMM_SOURCE = "delay-line" if namespaces_unavailable() is None else "relay"
 
 PG_ADMIN_URL = os.environ.get(
     "CROSSDC_TEST_PG_ADMIN_URL", "postgresql+psycopg://postgres@127.0.0.1:5432/test"

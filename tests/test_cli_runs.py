@@ -9,7 +9,7 @@ from pathlib import Path
 
 import httpx
 import pytest
-from conftest import CROSSDC, interruptible  # noqa: E402
+from conftest import COMM_SOURCE, CROSSDC, interruptible  # noqa: E402
 
 from crossdc.db.engine import make_engine
 from crossdc.db.queries import list_datacenter_rounds, list_rounds, list_runs
@@ -100,7 +100,7 @@ def test_demo_quick_smoke(tmp_path: Path) -> None:
         assert all(r["status"] == "finished" for r in runs)
         dc_rounds = list_datacenter_rounds(engine, run_id)
         assert len(dc_rounds) == 8 and {r["datacenter"] for r in dc_rounds} == {"us-east", "eu-west", "ap-south", "sa-east"}
-        assert all(r["status"] == "ok" and r["comm_source"] == "delay-line" and r["comm_s"] > 0 for r in dc_rounds)
+        assert all(r["status"] == "ok" and r["comm_source"] == COMM_SOURCE and r["comm_s"] > 0 for r in dc_rounds)
     finally:
         engine.dispose()
 

@@ -19,6 +19,7 @@ from crossdc.wan.cost_model import (
     compression_for_ratio,
     flower_objects_per_message,
     flower_round_trips,
+    gloo_ring_allreduce_time,
     resolve_link,
     ring_allreduce_time,
     star_round,
@@ -258,3 +259,31 @@ def test_cli_plan_bad_input_is_one_line(args: tuple[str, ...]) -> None:
     assert "Traceback" not in result.stderr and result.stdout == ""
     if "mars" in args:
         assert "metro, continental, transoceanic, constrained" in lines[0]
+
+
+def test_gloo_ring_all_reduce_pays_two_round_trips_for_a_small_buffer() -> None:
+    # 2 ranks: 4 segments, 2 per phase, both posted at once; each waits for the receiver's notice (one-way),
+    # then crosses (one-way): one RTT per phase, two phases
+    tiny = gloo_ring_allreduce_time(4, 2, 100.0, 150.0)
+    assert tiny == pytest.approx(2 * 0.150, abs=1e-5)
+    assert gloo_ring_allreduce_time(10**6, 1, 100.0, 150.0) == 0.0
+
+
+def test_gloo_ring_all_reduce_notice_waits_behind_the_segment_being_sent() -> None:
+    # 8 MiB over 2 ranks at 100 Mbps / 150 ms: 8 segments of 1 MiB (0.08389 s each), 4 per phase, two in flight;
+    # by hand: segments leave at 0.075, 0.159, 0.318, 0.477 (the 3rd and 4th notices wait behind the segment on the
+    # wire) and the last arrives at 0.636 s; two phases
+    segment = 1024 * 1024 * 8 / 100e6
+    d = 0.075
+    leaves = [d, d + segment]
+    arrived = [leaves[0] + segment + d, leaves[1] + segment + d]
+    notice = leaves[1] + segment  # seg 1 still on the wire when seg 2 is posted
+    leaves.append(max(notice + d, leaves[1] + segment))
+    arrived.append(leaves[2] + segment + d)
+    notice = leaves[2] + segment  # seg 2 on the wire when seg 3 is posted
+    leaves.append(max(notice + d, leaves[2] + segment))
+    arrived.append(leaves[3] + segment + d)
+    assert gloo_ring_allreduce_time(8 * 1024 * 1024, 2, 100.0, 150.0) == pytest.approx(2 * max(arrived), rel=1e-9)
+    # and it is never faster than the textbook ring
+    for size in (4096, 1 << 20, 8 << 20):
+        assert gloo_ring_allreduce_time(size, 4, 100.0, 150.0) >= ring_allreduce_time(size, 4, 100.0, 150.0)

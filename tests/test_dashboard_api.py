@@ -24,7 +24,7 @@ from typing import Any
 
 import httpx
 import pytest
-from conftest import CROSSDC, _pg_admin, read_run  # noqa: E402
+from conftest import COMM_SOURCE, CROSSDC, _pg_admin, read_run  # noqa: E402
 from sqlalchemy import update
 
 from crossdc.dashboard import prometheus
@@ -248,7 +248,7 @@ def test_run_and_its_series_are_what_the_run_log_holds(served: Served) -> None:
     for api_row, row in zip(dc_rounds, logged["dc_rounds"], strict=True):
         assert set(api_row) == DC_ROUND_FIELDS
         assert {k: api_row[k] for k in DC_ROUND_FIELDS} == pytest.approx({k: row[k] for k in DC_ROUND_FIELDS})
-    assert all(r["status"] == "ok" and r["comm_source"] == "relay" and r["compute_s"] > 0 for r in dc_rounds)
+    assert all(r["status"] == "ok" and r["comm_source"] == COMM_SOURCE and r["compute_s"] > 0 for r in dc_rounds)
     one = strict_json(served.get(f"/api/runs/{run_id}/datacenter-rounds", datacenter="us-east"))
     assert one["datacenter"] == "us-east" and [r["datacenter"] for r in one["items"]] == ["us-east"] * 3
     events = strict_json(served.get(f"/api/runs/{run_id}/events"))["items"]

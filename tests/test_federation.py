@@ -9,7 +9,7 @@ import time
 from pathlib import Path
 
 import pytest
-from conftest import interruptible, processes_mentioning, read_run
+from conftest import COMM_SOURCE, interruptible, processes_mentioning, read_run
 
 from crossdc.db.engine import make_engine
 from crossdc.db.queries import get_run, list_rounds, parse_flower_run_ids
@@ -51,7 +51,7 @@ def test_deployment_run_logs_every_round_to_sql(deployment_run: dict) -> None:
         assert row["bytes_up"] > row["bytes_up_raw"] > 0  # framing on top of the fp32 payload
         assert row["bytes_down"] > 0
         assert row["compute_s"] > 0 and row["overhead_s"] >= 0
-        assert row["comm_source"] == "relay" and 0 < row["comm_s"] < row["round_s"]
+        assert row["comm_source"] == COMM_SOURCE and 0 < row["comm_s"] < row["round_s"]
         assert row["round_s"] == pytest.approx(row["compute_s"] + row["comm_s"] + row["overhead_s"], rel=1e-6)
         assert row["drift_l2"] > 0 and -1 <= row["update_cosine"] <= 1
         assert row["num_examples"] == row_tau(rounds, row["round"]) * 32
@@ -192,7 +192,7 @@ def test_a_150_ms_link_shows_in_comm_s(wan_fault_run: dict, deployment_run: dict
     loopback = [r for r in deployment_run["dc_rounds"] if r["status"] == "ok"]
     assert wan and loopback
     # the round's message exchanges cross the link several times; each crossing costs at least RTT/2
-    assert all(r["comm_source"] == "relay" and r["comm_s"] >= 0.15 for r in wan)
+    assert all(r["comm_source"] == COMM_SOURCE and r["comm_s"] >= 0.15 for r in wan)
     assert max(r["comm_s"] for r in loopback) < 0.5 * min(r["comm_s"] for r in wan)
     # the link's own byte counts cover the payloads (plus HTTP framing)
     assert all(r["link_bytes_up"] >= r["bytes_up"] and r["link_bytes_down"] >= r["bytes_down"] for r in wan)

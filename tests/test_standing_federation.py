@@ -2,7 +2,11 @@
 as Flower requires for authentication), crossdc's Fleet API front before it, crossdc's API service that enrolls
 datacenters; datacenters enroll (`crossdc enroll`) and start their nodes (`crossdc node start`); a run is submitted
 (`crossdc run --superlink`), detached and followed. A SuperNode without an enrolled key is refused; a revoked one
-is cut off and cannot come back."""
+is cut off and cannot come back.
+
+The operator's side (SuperLink, front, API service, database) runs in the root namespace; each datacenter's side
+(`crossdc enroll`, `crossdc node start`) runs in its own network namespace behind crossdc's WAN emulator
+(tests/namespaced.py), reaching the front and the API service on the emulator's coordinator address only."""
 
 from __future__ import annotations
 
@@ -14,6 +18,7 @@ from typing import Any
 import httpx
 import pytest
 from conftest import CROSSDC, authenticating_superlink, read_run
+from namespaced import DATACENTER_ENV, crossed, emulated_datacenters, ledger_size, needs_namespaces
 
 from crossdc.clients.enroll import node_key
 from crossdc.dashboard.app import create_app
@@ -22,15 +27,23 @@ from crossdc.db.security import audit_entries
 from crossdc.deployment.background_server import start_background, uvicorn_config
 from crossdc.deployment.fleet_front import start_front
 from crossdc.deployment.superlink_control import SuperLinkControl
+from crossdc.deployment.tls import make_certificates
+from crossdc.experiment.links import LINK_PROFILES
 from crossdc.experiment.processes import ProcessGroup, flower_env, free_port, kill_processes_with_env
+from crossdc.wan.network import EmulatedNetwork
 
 REPO = Path(__file__).resolve().parents[1]
 CONFIG = REPO / "examples" / "synthetic-2dc.toml"
 MARKER = "CROSSDC_TEST_STANDING_FEDERATION"
+DATACENTERS = ("us-east", "eu-west")
+#: slots of this module's emulated WANs (see tests/namespaced.py)
+SLOT_BASE = 160
 
 
-def _cli(args: list[str], env: dict[str, str], timeout: float = 120) -> subprocess.CompletedProcess[str]:
-    return subprocess.run([CROSSDC, *args], capture_output=True, text=True, timeout=timeout, env=env)
+def _cli(args: list[str], env: dict[str, str], timeout: float = 120,
+         preexec: Any = None) -> subprocess.CompletedProcess[str]:
+    """`crossdc ARGS`; in a datacenter's namespace with `preexec` (EmulatedNetwork.preexec)."""
+    return subprocess.run([CROSSDC, *args], capture_output=True, text=True, timeout=timeout, env=env, preexec_fn=preexec)
 
 
 def _exits_within(process: subprocess.Popen[bytes], timeout_s: float) -> int | None:
@@ -41,56 +54,74 @@ def _exits_within(process: subprocess.Popen[bytes], timeout_s: float) -> int | N
 
 
 @pytest.mark.deployment
+@needs_namespaces
 @pytest.mark.timeout(600)
 def test_enrolled_datacenters_run_over_tls_and_others_are_refused(tmp_path: Path) -> None:
     env = {**flower_env(tmp_path / "superlink-home"), MARKER: str(tmp_path)}
     processes = ProcessGroup()
     db_url = f"sqlite:///{tmp_path / 'federation.db'}"
     upgrade(db_url)
-    # the operator: SuperLink (private, TLS, only enrolled SuperNodes), the front, the API service
-    with authenticating_superlink(tmp_path / "operator") as (private_address, certs):
-        outcome = _operate_and_enroll(tmp_path, env, processes, private_address, certs, db_url)
+    # the datacenters, each in its own namespace behind its emulated link to the operator
+    with emulated_datacenters(tmp_path, [(name, LINK_PROFILES["metro"]) for name in DATACENTERS], SLOT_BASE) as net:
+        # the operator: SuperLink (private, TLS, only enrolled SuperNodes), the front, the API service
+        with authenticating_superlink(tmp_path / "operator") as (private_address, certs):
+            outcome = _operate_and_enroll(tmp_path, env, processes, private_address, certs, db_url, net)
     # the run finished on the enrolled datacenters; the revoked one ended up revoked, the other still online
     assert outcome["run_status"] == "finished" and outcome["ok_rows"] == 6
     assert outcome["statuses"] == {"us-east": "revoked", "eu-west": "active"}
     assert outcome["eu_west_online"]
+    # every datacenter's traffic (enrollment, its SuperNode's Fleet API calls) crossed its emulated link
+    for name in DATACENTERS:
+        assert outcome["crossed"][name]["up"] > 0 and outcome["crossed"][name]["down"] > 0, outcome["crossed"]
+        assert ledger_size(net, name) > 0, name
 
 
 def _operate_and_enroll(tmp_path: Path, env: dict[str, str], processes: ProcessGroup, private_address: str, certs: Any,
-                        db_url: str) -> dict[str, Any]:
+                        db_url: str, net: EmulatedNetwork) -> dict[str, Any]:
     public, api_port = free_port(), free_port()
     front = service = control = None
     private = int(private_address.rpartition(":")[2])
+    # what the datacenters reach (the front, the API service) listens on the coordinator's emulated address, with a
+    # certificate naming it (the SuperLink's own, `certs`, names loopback only: it is reached from this machine only)
+    coordinator = net.coordinator_address
+    public_certs = make_certificates(tmp_path / "public-certs", [coordinator])
+    superlink = f"{coordinator}:{public}"
+
+    def datacenter(name: str) -> dict[str, Any]:
+        return {"env": {**env, **DATACENTER_ENV}, "preexec": net.preexec(name)}
+
     try:
-        front = start_front(f"https://127.0.0.1:{private}", "127.0.0.1", public, certs.server_cert, certs.server_key,
-                            upstream_ca=certs.ca_cert)
+        front = start_front(f"https://127.0.0.1:{private}", coordinator, public, public_certs.server_cert,
+                            public_certs.server_key, upstream_ca=certs.ca_cert)
         control = SuperLinkControl(f"127.0.0.1:{private}", certs.ca_cert)
         app = create_app(db_url, superlink_control=control)
-        service = start_background(uvicorn_config(app, "127.0.0.1", api_port, ssl_certfile=str(certs.server_cert),
-                                                  ssl_keyfile=str(certs.server_key)), "api")
+        service = start_background(uvicorn_config(app, coordinator, api_port, ssl_certfile=str(public_certs.server_cert),
+                                                  ssl_keyfile=str(public_certs.server_key)), "api")
         made = _cli(["admin", "create-token", "--name", "enroller", "--role", "enrollment", "--db", db_url], env)
         assert made.returncode == 0, made.stderr
         enrollment_token = made.stdout.strip()
         admin_token = _cli(["admin", "create-token", "--name", "ops", "--db", db_url], env).stdout.strip()
 
         # each datacenter enrolls with the enrollment token, then starts its node with the key enrollment made
-        for name in ("us-east", "eu-west"):
+        for name in DATACENTERS:
             enrolled = _cli(["enroll", "--server", service.url, "--name", name, "--gpus", "0", "--region", "test",
-                             "--state-dir", str(tmp_path / name), "--ca-cert", str(certs.ca_cert)],
-                            {**env, "CROSSDC_ENROLLMENT_TOKEN": enrollment_token})
+                             "--state-dir", str(tmp_path / name), "--ca-cert", str(public_certs.ca_cert)],
+                            {**datacenter(name)["env"], "CROSSDC_ENROLLMENT_TOKEN": enrollment_token},
+                            preexec=datacenter(name)["preexec"])
             assert enrolled.returncode == 0, enrolled.stderr
             assert oct((tmp_path / name / "node-key").stat().st_mode & 0o777) == "0o600"
-        nodes = {name: processes.start(f"node-{name}", [CROSSDC, "node", "start", "--superlink", f"127.0.0.1:{public}",
+        nodes = {name: processes.start(f"node-{name}", [CROSSDC, "node", "start", "--superlink", superlink,
                                                          "--datacenter", name, "--state-dir", str(tmp_path / name),
-                                                         "--root-certificates", str(certs.ca_cert)],
-                                       tmp_path / f"node-{name}.log", env=env)
-                 for name in ("us-east", "eu-west")}
+                                                         "--root-certificates", str(public_certs.ca_cert)],
+                                       tmp_path / f"node-{name}.log", **datacenter(name))
+                 for name in DATACENTERS}
         # a SuperNode whose key nobody enrolled is refused by the SuperLink, and its node says why
         stranger_key = node_key(tmp_path / "stranger").private_key
-        stranger = processes.start("node-stranger", [CROSSDC, "node", "start", "--superlink", f"127.0.0.1:{public}",
+        stranger = processes.start("node-stranger", [CROSSDC, "node", "start", "--superlink", superlink,
                                                      "--datacenter", "us-east", "--state-dir", str(tmp_path / "stranger"),
-                                                     "--auth-key", str(stranger_key), "--root-certificates", str(certs.ca_cert)],
-                                   tmp_path / "node-stranger.log", env=env)
+                                                     "--auth-key", str(stranger_key), "--root-certificates",
+                                                     str(public_certs.ca_cert)],
+                                   tmp_path / "node-stranger.log", **datacenter("us-east"))
         assert _exits_within(stranger.process, 90) not in (None, 0)
         assert "refused this datacenter's key" in (tmp_path / "node-stranger.log").read_text()
 
@@ -108,14 +139,14 @@ def _operate_and_enroll(tmp_path: Path, env: dict[str, str], processes: ProcessG
         logged = read_run(db_url, run_id)
         assert logged["run"]["status"] == "finished"
         assert len(logged["dc_rounds"]) == 6 and all(r["status"] == "ok" for r in logged["dc_rounds"])
-        for name in ("us-east", "eu-west"):
+        for name in DATACENTERS:
             assert (tmp_path / name / "runs" / run_id / "run.json").exists()
         # only Fleet API calls crossed the front
         assert front.stats.refused == {} and any(path.endswith("push-messages") for path, _ in front.stats.forwarded)
 
         # the operator revokes us-east: its SuperNode is cut off, and it cannot come back with the same key
         headers = {"Authorization": f"Bearer {admin_token}"}
-        with httpx.Client(base_url=service.url, verify=str(certs.ca_cert), timeout=60) as api:
+        with httpx.Client(base_url=service.url, verify=str(public_certs.ca_cert), timeout=60) as api:
             assert api.delete("/api/datacenters/us-east").status_code == 401
             assert api.delete("/api/datacenters/us-east", headers={"Authorization": f"Bearer {enrollment_token}"}).status_code == 403
             revoked = api.delete("/api/datacenters/us-east", headers=headers)
@@ -124,10 +155,10 @@ def _operate_and_enroll(tmp_path: Path, env: dict[str, str], processes: ProcessG
         assert listed["us-east"]["status"] == "revoked" and listed["eu-west"]["status"] == "active"
         assert _exits_within(nodes["us-east"].process, 90) is not None, "the revoked datacenter's node kept running"
         assert nodes["eu-west"].process.poll() is None
-        again = processes.start("node-us-east-again", [CROSSDC, "node", "start", "--superlink", f"127.0.0.1:{public}",
+        again = processes.start("node-us-east-again", [CROSSDC, "node", "start", "--superlink", superlink,
                                                         "--datacenter", "us-east", "--state-dir", str(tmp_path / "us-east"),
-                                                        "--root-certificates", str(certs.ca_cert)],
-                                tmp_path / "node-us-east-again.log", env=env)
+                                                        "--root-certificates", str(public_certs.ca_cert)],
+                                tmp_path / "node-us-east-again.log", **datacenter("us-east"))
         assert _exits_within(again.process, 90) not in (None, 0)
         assert "refused this datacenter's key" in (tmp_path / "node-us-east-again.log").read_text()
         node_states = control.nodes()
@@ -146,7 +177,8 @@ def _operate_and_enroll(tmp_path: Path, env: dict[str, str], processes: ProcessG
             p.read_text(errors="replace") for p in tmp_path.rglob("*.log"))
         assert enrollment_token not in everything and admin_token not in everything
         return {"run_status": logged["run"]["status"], "ok_rows": sum(r["status"] == "ok" for r in logged["dc_rounds"]),
-                "statuses": {name: d["status"] for name, d in listed.items()}, "eu_west_online": eu_west_online}
+                "statuses": {name: d["status"] for name, d in listed.items()}, "eu_west_online": eu_west_online,
+                "crossed": {name: crossed(net, name) for name in DATACENTERS}}
     finally:
         for server in (front, service):
             if server is not None:

@@ -155,8 +155,9 @@ def gloo_ring_allreduce_time(nbytes: float, ranks: int, bandwidth_mbps: float, r
       move M − M/N segments to the ring neighbour, in order, at most two in flight: segment i is posted when
       segment i−2 has been received;
     - a send waits for the receiver's "ready to receive" notice (the tcp transport's rendezvous): posted at the
-      same moment on both sides, a segment leaves one one-way delay after it is posted (or when the hop is free),
-      occupies the hop s/B, and arrives one one-way delay later;
+      same moment on both sides, a segment leaves one one-way delay after the notice was sent (or when the hop is
+      free), occupies the hop s/B, and arrives one one-way delay later. The notice travels on the pair's one TCP
+      connection, so it waits behind a segment that connection is sending at that moment;
     - every rank runs the same schedule (the ring is symmetric), so one rank's timeline is the all-reduce's.
     TCP's own dynamics (slow start, windows) are not modelled. N = 1 needs no communication (0 s).
     """
@@ -173,11 +174,14 @@ def gloo_ring_allreduce_time(nbytes: float, ranks: int, bandwidth_mbps: float, r
     one_way = rtt_ms / 2000.0
 
     def phase(start: float) -> float:
-        hop_free, arrived = start, list[float]()
+        hop_free, arrived, sending = start, list[float](), list[tuple[float, float]]()
         for i in range(transfers):
             posted = start if i < GLOO_SEGMENTS_IN_FLIGHT else arrived[i - GLOO_SEGMENTS_IN_FLIGHT]
-            leaves = max(posted + one_way, hop_free)
+            # the notice goes out on the same connection as the data: behind a segment the hop is sending then
+            notice_sent = next((end for begin, end in sending if begin <= posted < end), posted)
+            leaves = max(notice_sent + one_way, hop_free)
             hop_free = leaves + segment_s
+            sending.append((leaves, hop_free))
             arrived.append(hop_free + one_way)
         return max(arrived)
 
