@@ -42,7 +42,7 @@ from crossdc.testing.inprocess import InProcessFederation
 from crossdc.workloads import Workload, WorkloadSpec, load_workload
 from crossdc.workloads.registry import register_workload, unregister_workload
 
-pytestmark = pytest.mark.timeout(120)
+pytestmark = pytest.mark.timeout(300)
 
 
 def built(cls: type[Strategy], params: dict | None = None, datacenters: int = 4, optimizer: str = "sgd", lr: float = 0.1) -> Strategy:
