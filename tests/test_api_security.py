@@ -25,6 +25,9 @@ from crossdc.deployment.background_server import BackgroundServer, start_backgro
 from crossdc.deployment.superlink_control import PublicKeyError, SuperLinkControl, check_public_key
 from crossdc.experiment.processes import free_port
 
+#: a generous timeout: the suite runs its tests side by side on a small machine, and a request may wait its turn
+HTTP = httpx.Client(timeout=60.0)
+
 
 @dataclass
 class Service:
@@ -128,21 +131,21 @@ WRITES = [("POST", "/api/datacenters"), ("DELETE", "/api/datacenters/seen-by-a-r
 
 
 def test_every_write_endpoint_is_in_the_list_and_needs_a_token(service: Service) -> None:
-    schema = httpx.get(f"{service.url}/openapi.json").json()
+    schema = HTTP.get(f"{service.url}/openapi.json").json()
     protected = {(method.upper(), path) for path, methods in schema["paths"].items() for method in methods
                  if method != "get" or path == "/api/audit"}
     assert protected == {(m, p.replace("seen-by-a-run", "{name}")) for m, p in WRITES}
     refused_before = sum(a["outcome"] == "refused" for a in service.audit())
     for method, path in WRITES:
         for who, status in ((None, 401), ("revoked", 401), ("read", 403)):
-            answer = httpx.request(method, service.url + path, headers=service.headers(who), json={})
+            answer = HTTP.request(method, service.url + path, headers=service.headers(who), json={})
             assert answer.status_code == status, (method, path, who, answer.text)
             if status == 401:
                 assert answer.headers["www-authenticate"] == "Bearer"
-        garbage = httpx.request(method, service.url + path, headers={"Authorization": "Bearer " + "x" * 5000})
+        garbage = HTTP.request(method, service.url + path, headers={"Authorization": "Bearer " + "x" * 5000})
         assert garbage.status_code == 401
     for method, path in WRITES[1:]:  # admin only: the enrollment token may enroll, nothing else
-        assert httpx.request(method, service.url + path, headers=service.headers("enrollment")).status_code == 403
+        assert HTTP.request(method, service.url + path, headers=service.headers("enrollment")).status_code == 403
     refusals = [a for a in service.audit() if a["outcome"] == "refused"]
     assert len(refusals) - refused_before == len(WRITES) * 4 + len(WRITES) - 1
     assert {a["actor"] for a in refusals} >= {None, "read-token", "enrollment-token"}
@@ -151,36 +154,36 @@ def test_every_write_endpoint_is_in_the_list_and_needs_a_token(service: Service)
 def test_enroll_suspend_enroll_again_revoke(service: Service) -> None:
     enroller, admin = service.headers("enrollment"), service.headers("admin")
     body = _enrollment("dc-one", service.tmp / "dc-one", link_bandwidth_mbps=1000.0, link_rtt_ms=80.0)
-    made = httpx.post(f"{service.url}/api/datacenters", json=body, headers=enroller)
+    made = HTTP.post(f"{service.url}/api/datacenters", json=body, headers=enroller)
     assert made.status_code == 201, made.text
     record = made.json()
     assert record["status"] == "active" and record["gpus"] == 8 and record["link_rtt_ms"] == 80.0
     first_node = int(record["node_id"])
     assert service.control.nodes()[first_node] == "registered"
     # the same name again, with any key: refused, and nothing registered
-    again = httpx.post(f"{service.url}/api/datacenters", json=_enrollment("dc-one", service.tmp / "other"), headers=enroller)
+    again = HTTP.post(f"{service.url}/api/datacenters", json=_enrollment("dc-one", service.tmp / "other"), headers=enroller)
     assert again.status_code == 409 and "already enrolled" in again.json()["detail"]
     # suspend: unregistered at the SuperLink; it may enroll again, with a new key only
-    suspended = httpx.post(f"{service.url}/api/datacenters/dc-one/suspend", headers=admin)
+    suspended = HTTP.post(f"{service.url}/api/datacenters/dc-one/suspend", headers=admin)
     assert suspended.status_code == 200 and suspended.json()["status"] == "suspended" and suspended.json()["node_id"] is None
     assert service.control.nodes()[first_node] == "unregistered"
-    same_key = httpx.post(f"{service.url}/api/datacenters", json=body, headers=enroller)
+    same_key = HTTP.post(f"{service.url}/api/datacenters", json=body, headers=enroller)
     assert same_key.status_code == 409 and "new key" in same_key.json()["detail"]
     body["public_key"] = node_key(service.tmp / "dc-one", renew=True).public_key_pem
-    back = httpx.post(f"{service.url}/api/datacenters", json=body, headers=enroller)
+    back = HTTP.post(f"{service.url}/api/datacenters", json=body, headers=enroller)
     assert back.status_code == 201 and back.json()["status"] == "active", back.text
     second_node = int(back.json()["node_id"])
     assert second_node != first_node and service.control.nodes()[second_node] == "registered"
     assert len(list((service.tmp / "dc-one").glob("node-key.replaced-*"))) == 1  # the old key is kept aside
     # revoke: for good
-    revoked = httpx.delete(f"{service.url}/api/datacenters/dc-one", headers=admin)
+    revoked = HTTP.delete(f"{service.url}/api/datacenters/dc-one", headers=admin)
     assert revoked.status_code == 200 and revoked.json()["status"] == "revoked"
     assert service.control.nodes()[second_node] == "unregistered"
-    assert httpx.delete(f"{service.url}/api/datacenters/dc-one", headers=admin).status_code == 200  # asked twice
-    assert httpx.post(f"{service.url}/api/datacenters/dc-one/suspend", headers=admin).status_code == 409
+    assert HTTP.delete(f"{service.url}/api/datacenters/dc-one", headers=admin).status_code == 200  # asked twice
+    assert HTTP.post(f"{service.url}/api/datacenters/dc-one/suspend", headers=admin).status_code == 409
     body["public_key"] = node_key(service.tmp / "dc-one", renew=True).public_key_pem
-    assert httpx.post(f"{service.url}/api/datacenters", json=body, headers=enroller).status_code == 409
-    assert httpx.post(f"{service.url}/api/datacenters/nowhere/suspend", headers=admin).status_code == 404
+    assert HTTP.post(f"{service.url}/api/datacenters", json=body, headers=enroller).status_code == 409
+    assert HTTP.post(f"{service.url}/api/datacenters/nowhere/suspend", headers=admin).status_code == 404
     acts = [(a["action"], a["outcome"]) for a in service.audit() if a["target"] == "dc-one"]
     assert acts == [("enroll", "ok"), ("enroll", "refused"), ("suspend", "ok"), ("enroll", "refused"), ("enroll", "ok"),
                     ("revoke", "ok"), ("suspend", "refused"), ("enroll", "refused")]
@@ -191,15 +194,15 @@ def test_a_datacenter_a_run_already_saw_can_enroll_and_bad_enrollments_are_refus
     # a name only a run log had seen, revoked by an admin, never comes back
     with RunLog(service.db_url) as log:
         log.touch_datacenter(name="seen-then-revoked")
-    assert httpx.delete(f"{service.url}/api/datacenters/seen-then-revoked", headers=service.headers("admin")).status_code == 200
-    back = httpx.post(f"{service.url}/api/datacenters", json=_enrollment("seen-then-revoked", service.tmp / "str"), headers=enroller)
+    assert HTTP.delete(f"{service.url}/api/datacenters/seen-then-revoked", headers=service.headers("admin")).status_code == 200
+    back = HTTP.post(f"{service.url}/api/datacenters", json=_enrollment("seen-then-revoked", service.tmp / "str"), headers=enroller)
     assert back.status_code == 409 and "revoked" in back.json()["detail"]
-    made = httpx.post(f"{service.url}/api/datacenters", json=_enrollment("seen-by-a-run", service.tmp / "seen"), headers=enroller)
+    made = HTTP.post(f"{service.url}/api/datacenters", json=_enrollment("seen-by-a-run", service.tmp / "seen"), headers=enroller)
     assert made.status_code == 201 and made.json()["public_key"] is not None, made.text
     nodes_before = service.control.nodes()
     for bad in ({"public_key": "-----BEGIN PUBLIC KEY-----\nAAAA\n-----END PUBLIC KEY-----\n"}, {"name": "no spaces allowed"},
                 {"gpus": -1}, {"link_rtt_ms": -5.0}, {"unknown": 1}):
-        answer = httpx.post(f"{service.url}/api/datacenters", json={**_enrollment("dc-bad", service.tmp / "bad"), **bad},
+        answer = HTTP.post(f"{service.url}/api/datacenters", json={**_enrollment("dc-bad", service.tmp / "bad"), **bad},
                             headers=enroller)
         assert answer.status_code == 422, (bad, answer.text)
     assert service.control.nodes() == nodes_before
@@ -223,19 +226,19 @@ def test_crossdc_enroll_client(service: Service, tmp_path: Path) -> None:
 
 def test_locked_reads_need_a_token_of_any_role(service: Service) -> None:
     for path in ("/api/runs", "/api/runs/run-1", "/api/datacenters", "/metrics", "/"):
-        assert httpx.get(service.locked_url + path).status_code == 401, path
-        assert httpx.get(service.locked_url + path, headers=service.headers("revoked")).status_code == 401, path
-        assert httpx.get(service.locked_url + path, headers=service.headers("read")).status_code == 200, path
-        assert httpx.get(service.locked_url + path, headers=service.headers("admin")).status_code == 200, path
-        assert httpx.get(service.url + path).status_code == 200, path  # open reads by default
+        assert HTTP.get(service.locked_url + path).status_code == 401, path
+        assert HTTP.get(service.locked_url + path, headers=service.headers("revoked")).status_code == 401, path
+        assert HTTP.get(service.locked_url + path, headers=service.headers("read")).status_code == 200, path
+        assert HTTP.get(service.locked_url + path, headers=service.headers("admin")).status_code == 200, path
+        assert HTTP.get(service.url + path).status_code == 200, path  # open reads by default
 
 
 def test_no_read_endpoint_nor_log_ever_shows_a_token(service: Service, caplog: pytest.LogCaptureFixture) -> None:
     caplog.set_level(logging.DEBUG)
     for token in service.tokens.values():  # every token used at least once, right or wrong
-        httpx.post(f"{service.url}/api/datacenters", json={}, headers={"Authorization": f"Bearer {token}"})
+        HTTP.post(f"{service.url}/api/datacenters", json={}, headers={"Authorization": f"Bearer {token}"})
     admin = service.headers("admin")
-    seen = "".join(httpx.get(service.url + path, headers=admin).text
+    seen = "".join(HTTP.get(service.url + path, headers=admin).text
                    for path in ("/api/datacenters", "/api/audit?limit=1000", "/api/runs", "/api/runs/run-1", "/metrics",
                                 "/openapi.json", "/"))
     logged = caplog.text + "".join(p.read_text(errors="replace") for p in service.tmp.rglob("*.log"))

@@ -36,7 +36,7 @@ class Result:
     folder: Path
 
 
-def cli(args: list[str], folder: Path, extra_env: dict[str, str] | None = None) -> Result:
+def cli(args: list[str], folder: Path, extra_env: dict[str, str] | None = None, timeout_s: float = CLI_TIMEOUT_S) -> Result:
     """Run `crossdc ARGS` in `folder` (so nothing lands in the checkout), with a private default database (and
     `extra_env` on top of this process's environment)."""
     folder.mkdir(parents=True, exist_ok=True)
@@ -44,7 +44,7 @@ def cli(args: list[str], folder: Path, extra_env: dict[str, str] | None = None) 
     env.update(CROSSDC_DATABASE_URL=f"sqlite:///{folder / 'env-default.db'}", FLWR_TELEMETRY_ENABLED="0",
                FLWR_DISABLE_UPDATE_CHECK="1", PYTHONUNBUFFERED="1", **(extra_env or {}))
     completed = subprocess.run([CROSSDC, *args], cwd=folder, env=env, capture_output=True, text=True,
-                               timeout=CLI_TIMEOUT_S, stdin=subprocess.DEVNULL)
+                               timeout=timeout_s, stdin=subprocess.DEVNULL)
     return Result(args, completed.returncode, completed.stdout, completed.stderr, folder)
 
 

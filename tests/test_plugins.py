@@ -88,7 +88,8 @@ def test_the_plugin_strategy_and_workload_run_on_the_deployment_engine(installed
     refused = cli(["run", str(bad), "--db", db_url, "--runs-dir", str(tmp_path / "runs")], tmp_path, installed_plugin.env)
     assert refused.returncode == 2 and "strategy 'fedavgm' parameter 'server_momentum' must be float" in refused.stderr
     result = cli(["run", str(installed_plugin.source / "moons-fedavgm.toml"), "--json", "--db", db_url,
-                  "--port", str(free_port()), "--runs-dir", str(tmp_path / "runs")], tmp_path, installed_plugin.env)
+                  "--port", str(free_port()), "--runs-dir", str(tmp_path / "runs")], tmp_path, installed_plugin.env,
+                 timeout_s=280)  # a whole deployment run, on a machine shared with the rest of the suite
     assert result.returncode == 0, result.stderr[-2000:]
     summary = json.loads(result.stdout.strip().splitlines()[-1])
     logged = read_run(db_url, summary["run_id"])
