@@ -60,7 +60,7 @@ def test_run_json_reports_the_gap_to_both_baselines(tmp_path: Path) -> None:
 
 
 @pytest.mark.deployment
-@pytest.mark.timeout(600)
+@pytest.mark.timeout(900)
 def test_demo_quick_smoke(tmp_path: Path) -> None:
     """What CI runs as the smoke test of the main job: 4 datacenters, 2 rounds, both baselines, the table, and the
     dashboard it prints the URL of (kept serving after the table here, then stopped with Ctrl-C)."""

@@ -64,7 +64,7 @@ def test_state_store_keeps_history_and_rewinds(tmp_path: Path) -> None:
 
 
 @pytest.mark.deployment
-@pytest.mark.timeout(500)
+@pytest.mark.timeout(800)
 def test_killed_coordinator_resumes_to_the_same_model(tmp_path: Path) -> None:
     config = _config(tmp_path)
     db_url = f"sqlite:///{tmp_path / 'resume.db'}"
@@ -73,7 +73,7 @@ def test_killed_coordinator_resumes_to_the_same_model(tmp_path: Path) -> None:
         # the uninterrupted run
         reference = subprocess.run([CROSSDC, "run", str(config), "--db", f"sqlite:///{tmp_path / 'reference.db'}", "--json",
                                     "--port", str(free_port()), "--runs-dir", str(tmp_path / "reference-runs")],
-                                   capture_output=True, text=True, timeout=240, env=env)
+                                   capture_output=True, text=True, timeout=400, env=env)
         assert reference.returncode == 0, reference.stderr[-3000:]
         reference_id = json.loads(reference.stdout.strip().splitlines()[-1])["run_id"]
         expected = np.load(tmp_path / "reference-runs" / reference_id / "final-weights.npz")
@@ -107,7 +107,7 @@ def test_killed_coordinator_resumes_to_the_same_model(tmp_path: Path) -> None:
         newest.write_bytes(newest.read_bytes()[: newest.stat().st_size // 2])
 
         resumed = subprocess.run([CROSSDC, "resume", run_id, "--db", db_url, "--json", "--port", str(free_port()),
-                                  "--runs-dir", str(runs)], capture_output=True, text=True, timeout=240, env=env)
+                                  "--runs-dir", str(runs)], capture_output=True, text=True, timeout=400, env=env)
         assert resumed.returncode == 0, resumed.stderr[-3000:]
         summary = json.loads(resumed.stdout.strip().splitlines()[-1])
         assert summary["run_id"] == run_id and summary["rounds"] == ROUNDS
