@@ -34,6 +34,7 @@ from crossdc.clients.local_training import LocalTrainer
 from crossdc.experiment.builders import build_strategy, build_workload, datacenter_seed, initial_model
 from crossdc.experiment.config import parse_config
 from crossdc.experiment.rundir import RunDir
+from crossdc.wan.ledger import union_length
 from crossdc.workloads import evaluate, model_weights
 
 log = logging.getLogger("crossdc.sync_dp")
@@ -64,16 +65,9 @@ class CommunicationTimer:
 
     def take_waiting_s(self) -> float:
         """The length of the union of the recorded intervals (time the rank had an all-reduce outstanding); resets."""
-        total, end = 0.0, float("-inf")
-        for start, stop in sorted(self.intervals):
-            if start > end:
-                total += stop - start
-                end = stop
-            elif stop > end:
-                total += stop - end
-                end = stop
+        waiting = union_length(self.intervals)
         self.intervals.clear()
-        return total
+        return waiting
 
 
 def report_path(run_dir: RunDir, rank: int) -> Path:

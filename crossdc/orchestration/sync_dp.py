@@ -28,7 +28,7 @@ from crossdc.experiment.config import ExperimentConfig
 from crossdc.experiment.processes import ProcessGroup, kill_processes_with_env
 from crossdc.experiment.rundir import SETTINGS_LINK_EMULATOR, RunDir
 from crossdc.orchestration.local_run import EMULATOR_NAMESPACES, RUN_MARKER_ENV, RunFailed, run_env
-from crossdc.wan.ledger import LedgerReader, Transfer, bytes_of_datacenter, time_in_flight
+from crossdc.wan.ledger import LedgerReader, Transfer, bytes_of_datacenter, read_new_lines, time_in_flight
 from crossdc.wan.network import EmulatedNetwork, namespaces_unavailable
 from crossdc.wan.topology import mesh_ledger
 
@@ -55,15 +55,8 @@ def _datacenter_ledgers(config: ExperimentConfig, run_dir: RunDir, datacenter: s
 def _read_reports(run_dir: RunDir, world: int, offsets: list[int], lines: dict[int, list[dict[str, Any]]]) -> None:
     """Add the complete new report lines of every rank to `lines` (by round)."""
     for rank in range(world):
-        path = report_path(run_dir, rank)
-        if not path.exists():
-            continue
-        with open(path, "rb") as handle:
-            handle.seek(offsets[rank])
-            data = handle.read()
-        complete = data[: data.rfind(b"\n") + 1]
-        offsets[rank] += len(complete)
-        for line in complete.decode().splitlines():
+        new, offsets[rank] = read_new_lines(report_path(run_dir, rank), offsets[rank])
+        for line in new:
             entry = json.loads(line)
             lines.setdefault(int(entry["round"]), []).append(entry)
 

@@ -69,14 +69,8 @@ class LedgerReader:
         self._transfers: list[Transfer] = []
 
     def _read_new(self) -> None:
-        if not self.path.exists():
-            return
-        with open(self.path, "rb") as handle:
-            handle.seek(self._offset)
-            data = handle.read()
-        complete = data[: data.rfind(b"\n") + 1]  # a line still being written waits for the next read
-        self._offset += len(complete)
-        for line in complete.decode().splitlines():
+        lines, self._offset = read_new_lines(self.path, self._offset)
+        for line in lines:
             direction, size, entered, left, exchange, path = line.split()
             self._transfers.append(Transfer(direction, int(size), float(entered), float(left), exchange, path))
 
@@ -88,19 +82,36 @@ class LedgerReader:
         return selected
 
 
-def time_in_flight(transfers: Iterable[Transfer]) -> float:
-    """Length of the union of the transfers' [entered, left] intervals: the time the link carried payload."""
+def read_new_lines(path: Path, offset: int) -> tuple[list[str], int]:
+    """The complete lines of `path` after byte `offset` (a line still being written waits for the next read), and the
+    offset after them; none if the file does not exist yet."""
+    if not path.exists():
+        return [], offset
+    with open(path, "rb") as handle:
+        handle.seek(offset)
+        data = handle.read()
+    complete = data[: data.rfind(b"\n") + 1]
+    return complete.decode().splitlines(), offset + len(complete)
+
+
+def union_length(intervals: Iterable[tuple[float, float]]) -> float:
+    """Length of the union of [start, end] intervals."""
     total, current_start, current_end = 0.0, None, None
-    for transfer in sorted(transfers, key=lambda t: t.entered):
-        if current_end is None or transfer.entered > current_end:
+    for start, end in sorted(intervals):
+        if current_end is None or start > current_end:
             if current_end is not None and current_start is not None:
                 total += current_end - current_start
-            current_start, current_end = transfer.entered, transfer.left
+            current_start, current_end = start, end
         else:
-            current_end = max(current_end, transfer.left)
+            current_end = max(current_end, end)
     if current_start is not None and current_end is not None:
         total += current_end - current_start
     return total
+
+
+def time_in_flight(transfers: Iterable[Transfer]) -> float:
+    """Length of the union of the transfers' [entered, left] intervals: the time the link carried payload."""
+    return union_length((t.entered, t.left) for t in transfers)
 
 
 #: Fleet API requests that move a message's content (objects) or its acknowledgement

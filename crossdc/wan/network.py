@@ -31,7 +31,7 @@ from typing import IO, Any
 
 from crossdc.experiment.links import LinkSpec
 from crossdc.experiment.processes import die_with_parent, enter_network_namespace, is_running
-from crossdc.wan.topology import COORDINATOR
+from crossdc.wan.topology import COORDINATOR, mesh_hops, star_hops
 
 log = logging.getLogger("crossdc.wan")
 
@@ -257,16 +257,10 @@ class EmulatedNetwork:
                                f"see {self.log_path or 'its stderr'}")
 
     # ------------------------------------------------------------------ faults
-    def star_hops(self, datacenter: str) -> list[str]:
-        return [f"{datacenter}:up", f"{datacenter}:down"]
-
-    def mesh_hops(self, a: str, b: str) -> list[str]:
-        return [f"{a}>{b}", f"{b}>{a}"]
-
     def cut(self, seconds: float, datacenter: str | None = None, between: tuple[str, str] | None = None) -> None:
         """Drop every packet of the datacenter's star link (or of the mesh link `between`) for `seconds`; reset the
         connections that cross it now and when the cut ends."""
-        hops = self.star_hops(datacenter) if datacenter else self.mesh_hops(*between)  # type: ignore[misc]
+        hops = list(star_hops(datacenter) if datacenter else mesh_hops(*between))  # type: ignore[misc]
         # the delay line holds the cut until told to restore (or CUT_GRACE_S later): the reset at the end comes first,
         # so a connection opened as the link returns is never caught by it
         self._control({"op": "cut", "hops": hops, "seconds": seconds + CUT_GRACE_S})

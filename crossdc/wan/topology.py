@@ -50,6 +50,16 @@ class Hop:
                    max(bdp, MIN_QUEUE_PACKETS * mtu), ledger, direction)
 
 
+def star_hops(datacenter: str) -> tuple[str, str]:
+    """The names of a datacenter's star hops: (to the coordinator, from it)."""
+    return f"{datacenter}:up", f"{datacenter}:down"
+
+
+def mesh_hops(a: str, b: str) -> tuple[str, str]:
+    """The names of the two hops of the mesh link between `a` and `b`: (a → b, b → a)."""
+    return f"{a}>{b}", f"{b}>{a}"
+
+
 def mesh_ledger(a: str, b: str) -> str:
     """The ledger name of the mesh link between datacenters `a` and `b` (order-insensitive)."""
     first, second = sorted((a, b))
@@ -77,16 +87,15 @@ def build_topology(star: Sequence[tuple[str, LinkSpec | None]], mesh: Sequence[t
         raise ValueError(f"datacenter names must be unique and not {COORDINATOR!r}: {names}")
     hops: dict[str, Hop] = {}
     for name, link in star:
-        hops[f"{name}:up"] = Hop.from_link(f"{name}:up", link, mtu, name, "up")
-        hops[f"{name}:down"] = Hop.from_link(f"{name}:down", link, mtu, name, "down")
+        for hop, direction in zip(star_hops(name), ("up", "down"), strict=True):
+            hops[hop] = Hop.from_link(hop, link, mtu, name, direction)
     direct: dict[tuple[str, str], str] = {}
     for a, b, link in mesh:
         if a not in names or b not in names or a == b:
             raise ValueError(f"a mesh link joins two different datacenters of the run, not {a!r} and {b!r}")
         if (a, b) in direct:
             raise ValueError(f"the mesh lists {a!r} and {b!r} twice")
-        for source, target in ((a, b), (b, a)):
-            hop = f"{source}>{target}"
+        for (source, target), hop in zip(((a, b), (b, a)), mesh_hops(a, b), strict=True):
             hops[hop] = Hop.from_link(hop, link, mtu, mesh_ledger(a, b), hop)
             direct[(source, target)] = hop
     nodes = (COORDINATOR, *names)
@@ -96,11 +105,11 @@ def build_topology(star: Sequence[tuple[str, LinkSpec | None]], mesh: Sequence[t
             if i == j:
                 continue
             if source == COORDINATOR:
-                paths[(i, j)] = (f"{target}:down",)
+                paths[(i, j)] = (star_hops(target)[1],)
             elif target == COORDINATOR:
-                paths[(i, j)] = (f"{source}:up",)
+                paths[(i, j)] = (star_hops(source)[0],)
             elif (source, target) in direct:
                 paths[(i, j)] = (direct[(source, target)],)
             else:
-                paths[(i, j)] = (f"{source}:up", f"{target}:down")
+                paths[(i, j)] = (star_hops(source)[0], star_hops(target)[1])
     return Topology(nodes, hops, paths)
