@@ -29,15 +29,17 @@ lint: venv
 	$(BIN)/mypy
 
 # The suite runs on PYTEST_WORKERS processes (pytest-xdist), one test file per worker at a time: most end-to-end
-# tests wait on Flower's polls and the emulated links, not on the CPU. Tests marked `serial` assert paces and
-# deadlines on the wall clock: they run afterwards, alone.
+# tests wait on Flower's polls and the emulated links, not on the CPU. The files whose longest test may run longest
+# (by its `timeout` mark) are handed out first (tests/conftest.py; --no-loadscope-reorder keeps that order), so the
+# suite does not end waiting on one long file that started last. Tests marked `serial` assert paces and deadlines
+# on the wall clock: they run afterwards, alone.
 PYTEST_WORKERS ?= 3
 test: venv lint
-	$(BIN)/pytest -q -n $(PYTEST_WORKERS) --dist loadfile -m "not serial" --durations=20 -p no:cacheprovider
+	$(BIN)/pytest -q -n $(PYTEST_WORKERS) --dist loadfile --no-loadscope-reorder -m "not serial" --durations=20 -p no:cacheprovider
 	$(BIN)/pytest -q -m serial --durations=5 -p no:cacheprovider
 
 test-fast: venv
-	$(BIN)/pytest -q -n $(PYTEST_WORKERS) --dist loadfile -m "not deployment and not serial" -p no:cacheprovider
+	$(BIN)/pytest -q -n $(PYTEST_WORKERS) --dist loadfile --no-loadscope-reorder -m "not deployment and not serial" -p no:cacheprovider
 	$(BIN)/pytest -q -m "serial and not deployment" -p no:cacheprovider
 
 bench-wan: venv

@@ -35,6 +35,19 @@ PG_START_HINT = (
 )
 
 
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    """Test files whose longest test may run longest start first (with `--no-loadscope-reorder`, pytest-xdist hands
+    out whole files in this order), so that the suite does not end waiting on one long file that started last.
+    A test's `timeout` mark is its author's bound on how long it runs; a file counts by its longest."""
+    default = float(config.getini("timeout") or 0)
+    longest: dict[str, float] = {}
+    for item in items:
+        mark = item.get_closest_marker("timeout")
+        bound = float(mark.args[0]) if mark is not None and mark.args else default
+        longest[item.nodeid.split("::", 1)[0]] = max(longest.get(item.nodeid.split("::", 1)[0], 0.0), bound)
+    items.sort(key=lambda item: -longest[item.nodeid.split("::", 1)[0]])  # stable: a file's own order is kept
+
+
 def crossdc_executable() -> str:
     """The `crossdc` console script of this virtualenv (or on PATH)."""
     candidate = Path(sys.executable).with_name("crossdc")
