@@ -6,8 +6,12 @@ Flower's and gloo's code, so every profile is held out):
 - ``flower``: for each link profile, a small real federation (2 datacenters, the Shakespeare char-transformer,
   Flower's Deployment Engine, each datacenter in its own network namespace behind the delay line): the measured
   per-datacenter communication time of a round (comm_s, from the delay line's ledger) against the cost model's
-  prediction for the same payload, tensor count and link (``star_round``); plus the byte cross-check (bytes that
-  crossed the link for the round's messages against the payload crossdc counts: HTTP + Flower framing + IP/TCP).
+  prediction for the same payload, tensor count and link (``star_round``), from the links alone and with the time
+  the two ends spend on a request (``request_s``) measured beforehand on a metro link (2 ms, where the link itself
+  costs almost nothing), so the validated profiles stay held out; rounds 1–2 (TCP's window growth on Flower's two
+  new connections, not modelled) are reported apart from the later rounds the model is judged on; plus the byte
+  cross-check (bytes that crossed the link for the round's messages against the payload crossdc counts: HTTP +
+  Flower framing + IP/TCP).
 - ``gloo``: for each profile, gloo all-reduces (torch.distributed, what DistributedDataParallel runs) between two
   datacenters' namespaces over a datacenter-to-datacenter link of that profile, several sizes: the measured time
   per all-reduce (back to back, the steady state of synchronous data parallel) against
@@ -30,6 +34,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -47,6 +52,7 @@ from crossdc.wan.cost_model import (
     star_round,
     uniform_datacenters,
 )
+from crossdc.wan.ledger import PAYLOAD_PATHS, LedgerReader
 from crossdc.wan.network import EmulatedNetwork
 
 HERE = Path(__file__).resolve().parent
@@ -62,42 +68,97 @@ def experiment(profile: str, rounds: int) -> dict[str, Any]:
     }
 
 
-def flower_rows(profiles: list[str], rounds: int) -> list[dict[str, Any]]:
-    """Flower's message pairs: measured comm_s of real rounds against star_round's prediction."""
+#: rounds whose transfers open Flower's connections (the SuperNode's pool of two): reported apart from the rest
+WARM_UP_ROUNDS = 2
+
+
+def _federation(profile: str, rounds: int) -> tuple[dict[str, Any], list[dict[str, Any]], Path, int]:
+    """One small real federation over `profile`: its config, its accepted rows, its run folder and its parameters."""
+    config = parse_config(experiment(profile, rounds))
+    params = sum(p.numel() for p in initial_model(config, build_workload(config)).state_dict().values())
+    tmp = Path(tempfile.mkdtemp(prefix=f"crossdc-wan-{profile}-"))
+    db_url = f"sqlite:///{tmp / 'wan.db'}"
+    result = run_local(config, LocalRunOptions(db_url=db_url, superlink_port=free_port(), runs_root=tmp / "runs"))
+    engine = make_engine(db_url)
+    try:
+        measured = [r for r in list_datacenter_rounds(engine, result.run_id) if r["status"] == "ok"]
+    finally:
+        engine.dispose()
+    return experiment(profile, rounds), measured, result.run_dir, params
+
+
+def request_times(ledger: Path) -> dict[str, float]:
+    """What the two ends spend on each of Flower's message requests besides the link, read off a ledger: the server's
+    time (the request's last data delivered → its response's first data sent) and the client's (a response's last
+    data delivered → the next request on that connection sent, when it follows within 0.5 s, i.e. in one phase)."""
+    transfers = [t for t in LedgerReader(ledger).window(0.0, float("inf")) if t.path in PAYLOAD_PATHS and t.data]
+    by_exchange: dict[str, list[Any]] = {}
+    for transfer in transfers:
+        by_exchange.setdefault(transfer.exchange, []).append(transfer)
+    server, client = [], []
+    for exchange, packets in by_exchange.items():
+        ups = [t for t in packets if t.direction == "up"]
+        downs = [t for t in packets if t.direction == "down"]
+        if not ups or not downs:
+            continue
+        server.append(min(t.entered for t in downs) - max(t.left for t in ups))
+        connection, number = exchange.split(".")
+        following = by_exchange.get(f"{connection}.{int(number) + 1}")
+        if following:
+            gap = min(t.entered for t in following if t.direction == "up") - max(t.left for t in downs) \
+                if any(t.direction == "up" for t in following) else None
+            if gap is not None and 0 <= gap < 0.5:
+                client.append(gap)
+    return {"server_s": statistics.median(server), "client_s": statistics.median(client) if client else 0.0,
+            "exchanges": len(server)}
+
+
+def flower_rows(profiles: list[str], rounds: int) -> tuple[dict[str, Any], list[dict[str, Any]]]:
+    """Flower's message pairs: measured comm_s of real rounds against star_round's prediction, from the links alone and
+    with the request time measured on a metro link (where the link itself costs almost nothing)."""
+    _, _, metro_dir, _ = _federation("metro", rounds)
+    per_ledger = [request_times(path) for path in sorted((metro_dir / "logs" / "links").glob("*.ledger"))]
+    calibration = {"profile": "metro", "server_s": statistics.median(r["server_s"] for r in per_ledger),
+                   "client_s": statistics.median(r["client_s"] for r in per_ledger),
+                   "exchanges": sum(r["exchanges"] for r in per_ledger)}
+    calibration["request_s"] = calibration["server_s"] + calibration["client_s"]
+    print(f"metro: a request costs the two ends {1000 * calibration['request_s']:.1f} ms besides the link "
+          f"(server {1000 * calibration['server_s']:.1f} ms, client {1000 * calibration['client_s']:.1f} ms)", flush=True)
     rows = []
     for profile in profiles:
-        config = parse_config(experiment(profile, rounds))
-        model = initial_model(config, build_workload(config))
-        params = sum(p.numel() for p in model.state_dict().values())
-        tensors = len(model.state_dict())
-        tmp = Path(tempfile.mkdtemp(prefix=f"crossdc-wan-{profile}-"))
-        db_url = f"sqlite:///{tmp / 'wan.db'}"
-        result = run_local(config, LocalRunOptions(db_url=db_url, superlink_port=free_port(), runs_root=tmp / "runs"))
-        engine = make_engine(db_url)
-        try:
-            measured = [r for r in list_datacenter_rounds(engine, result.run_id) if r["status"] == "ok"]
-        finally:
-            engine.dispose()
+        _, measured, run_dir, params = _federation(profile, rounds)
         # crossdc packs every tensor of a message into one Array (compression/payload.py): T = 1 on the wire
         plan = StarPlan(params=params, datacenters=uniform_datacenters(2, LINK_PROFILES[profile]), step_time_s=0.05,
                         tau=2, tensors=1)
-        predicted = star_round(plan).datacenters[0]
-        comm = [float(r["comm_s"]) for r in measured]
+        links_only = star_round(plan).datacenters[0]
+        predicted = star_round(replace(plan, request_s=calibration["request_s"])).datacenters[0]
+        # Flower's SuperNode keeps a pool of FLOWER_OBJECT_CONCURRENCY connections; the model's first crossing of each
+        # pays TCP's window growth, which the cost model leaves out: rounds 1–2 are reported on their own, and the
+        # later rounds (every connection warm, the steady state the model describes) are what it is judged on
+        comm = [float(r["comm_s"]) for r in measured if r["round"] > WARM_UP_ROUNDS]
+        first = [float(r["comm_s"]) for r in measured if r["round"] <= WARM_UP_ROUNDS]
         framing_up = [r["link_bytes_up"] / r["bytes_up"] - 1 for r in measured]
         framing_down = [r["link_bytes_down"] / r["bytes_down"] - 1 for r in measured]
         row = {
             "profile": profile, "bandwidth_mbps": LINK_PROFILES[profile].bandwidth_mbps, "rtt_ms": LINK_PROFILES[profile].rtt_ms,
-            "params": params, "model_tensors": tensors, "round_trips_predicted": predicted.round_trips,
-            "comm_s_predicted": predicted.comm_s, "comm_s_measured_median": statistics.median(comm),
+            "params": params, "round_trips_predicted": predicted.round_trips,
+            "comm_s_predicted": predicted.comm_s, "comm_s_predicted_links_only": links_only.comm_s,
+            "comm_s_measured_median": statistics.median(comm),
             "comm_s_measured_min": min(comm), "comm_s_measured_max": max(comm), "samples": len(comm),
             "error_rel": statistics.median(comm) / predicted.comm_s - 1,
+            "error_rel_links_only": statistics.median(comm) / links_only.comm_s - 1,
+            "comm_s_first_rounds_median": statistics.median(first), "first_rounds": WARM_UP_ROUNDS,
+            "error_rel_first_rounds": statistics.median(first) / predicted.comm_s - 1,
+            "request_s_here": statistics.median(request_times(path)["server_s"] + request_times(path)["client_s"]
+                                                for path in sorted((run_dir / "logs" / "links").glob("*.ledger"))),
             "bytes_up_median": statistics.median(r["bytes_up"] for r in measured),
             "framing_overhead_up": statistics.median(framing_up), "framing_overhead_down": statistics.median(framing_down),
-            "run_id": result.run_id,
+            "run_id": run_dir.name,
         }
         rows.append(row)
-        print(f"{profile}: predicted {row['comm_s_predicted']:.2f}s, measured median {row['comm_s_measured_median']:.2f}s", flush=True)
-    return rows
+        print(f"{profile}: predicted {row['comm_s_predicted']:.2f}s ({row['comm_s_predicted_links_only']:.2f}s from the links "
+              f"alone), measured median {row['comm_s_measured_median']:.2f}s", flush=True)
+    return calibration, rows
 
 
 GLOO_SIZES = (4096, 1024 * 1024, 8 * 1024 * 1024)
@@ -177,7 +238,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--parts", nargs="+", default=["ceiling", "gloo", "flower"], choices=["ceiling", "gloo", "flower"])
     parser.add_argument("--profiles", nargs="+", default=["continental", "transoceanic", "constrained"])
-    parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--rounds", type=int, default=7)
     parser.add_argument("--repeats", type=int, default=3, help="gloo: timed loops per size, each of this many all-reduces")
     parser.add_argument("--out", default=str(HERE / "results" / "wan_validation.json"))
     args = parser.parse_args()
@@ -189,7 +250,7 @@ def main() -> None:
     if "gloo" in args.parts:
         result["gloo"] = gloo_rows(args.profiles, args.repeats)
     if "flower" in args.parts:
-        result["rows"] = flower_rows(args.profiles, args.rounds)
+        result["request_calibration"], result["rows"] = flower_rows(args.profiles, args.rounds)
     out.parent.mkdir(parents=True, exist_ok=True)
     Path(args.out).write_text(json.dumps(result, indent=1))
     print_tables(result)
@@ -208,13 +269,19 @@ def print_tables(result: dict[str, Any]) -> None:
     rows = result.get("rows", [])
     if not rows:
         return
-    print(f"\n{'profile':<14}{'link':>18}{'k':>5}{'predicted s':>13}{'measured s (min–max)':>24}{'error':>8}{'framing up/down':>18}")
+    calibration = result.get("request_calibration")
+    if calibration:
+        print(f"\nrequest time (metro calibration): {1000 * calibration['request_s']:.1f} ms "
+              f"(server {1000 * calibration['server_s']:.1f}, client {1000 * calibration['client_s']:.1f})")
+    print(f"\n{'profile':<14}{'link':>18}{'links only s':>14}{'model s':>9}{'measured s (min–max)':>24}{'error':>8}"
+          f"{'links only':>12}{'rounds 1–2':>12}{'framing up/down':>18}")
     for r in rows:
         link = f"{r['bandwidth_mbps']:g} Mbps/{r['rtt_ms']:g} ms"
         span = f"{r['comm_s_measured_median']:.2f} ({r['comm_s_measured_min']:.2f}–{r['comm_s_measured_max']:.2f})"
-        print(f"{r['profile']:<14}{link:>18}{r['round_trips_predicted']:>5}{r['comm_s_predicted']:>13.2f}{span:>24}"
-              f"{100 * r['error_rel']:>7.0f}%{100 * r['framing_overhead_up']:>8.1f}%/{100 * r['framing_overhead_down']:.1f}%")
-
+        print(f"{r['profile']:<14}{link:>18}{r.get('comm_s_predicted_links_only', float('nan')):>14.2f}"
+              f"{r['comm_s_predicted']:>9.2f}{span:>24}{100 * r['error_rel']:>7.0f}%"
+              f"{100 * r.get('error_rel_links_only', float('nan')):>11.0f}%{100 * r.get('error_rel_first_rounds', float('nan')):>11.0f}%"
+              f"{100 * r['framing_overhead_up']:>8.1f}%/{100 * r['framing_overhead_down']:.1f}%")
 
 if __name__ == "__main__":
     main()

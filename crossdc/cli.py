@@ -391,6 +391,8 @@ def plan(
     round_trips: int | None = typer.Option(None, "--round-trips",
                                            help="Protocol round trips per round (default: Flower 1.42's count for these payloads)."),
     tensors: int = typer.Option(1, "--tensors", help="Tensors per payload (only to count Flower's objects; 1 = fewest)."),
+    request_ms: float = typer.Option(0.0, "--request-ms",
+                                     help="What the two ends spend on each protocol request besides the link (ms; 0 = links only)."),
     coordinator_bandwidth_mbps: float | None = typer.Option(None, "--coordinator-bandwidth-mbps",
                                                             help="The coordinator's link, shared by the N transfers of each direction."),
     target_ratio: float = typer.Option(0.1, "--target-ratio", help="Comm/comp ratio to reach."),
@@ -405,7 +407,7 @@ def plan(
         spec = cm.resolve_link(link, bandwidth_mbps, rtt_ms)
         star = cm.StarPlan(params=params, datacenters=cm.uniform_datacenters(datacenters, spec), step_time_s=step_time,
                            tau=tau, compression_up=compression, compression_down=downlink_compression,
-                           round_trips_per_round=round_trips, tensors=tensors,
+                           round_trips_per_round=round_trips, tensors=tensors, request_s=request_ms / 1000.0,
                            coordinator_bandwidth_mbps=coordinator_bandwidth_mbps)
         sync = cm.sync_dp_step(params, datacenters, spec, step_time)
         estimate = cm.star_round(star)
@@ -421,7 +423,7 @@ def plan(
         typer.echo(json.dumps({
             "inputs": {"params": params, "datacenters": datacenters, "link": asdict(spec), "step_time_s": step_time,
                        "tau": tau, "compression_up": compression, "compression_down": downlink_compression,
-                       "round_trips_per_round": round_trips, "tensors": tensors,
+                       "round_trips_per_round": round_trips, "tensors": tensors, "request_ms": request_ms,
                        "coordinator_bandwidth_mbps": coordinator_bandwidth_mbps, "target_ratio": target_ratio},
             "sync_dp": asdict(sync),
             "sync_dp_tau_steps_s": tau * sync.step_s,
@@ -447,7 +449,9 @@ def plan(
                f"{estimate.comm_comp_ratio:>11.3g}{100 * estimate.utilisation:>12.1f}%")
     typer.echo(f"crossdc round {secs(estimate.round_s)} = compute {secs(estimate.compute_s)} + down {gb(estimate.bytes_down)} "
                f"({secs(one.transfer_down_s)}) + up {gb(estimate.bytes_up)} ({secs(one.transfer_up_s)}) + "
-               f"{estimate.round_trips} round trips ({secs(one.latency_s)})")
+               + (f"{estimate.round_trips} round trips ({secs(one.latency_s)})" if round_trips is not None else
+                  f"latency {secs(one.latency_s)} ({estimate.round_trips} round trips if Flower's two requests in flight "
+                  f"went in lock-step; they overlap the transfers)"))
     typer.echo(f"the same {tau} steps in sync data parallel: {secs(tau * sync.step_s)}")
     typer.echo(f"tau for comm/comp <= {target_ratio:g} at this compression: {tau_needed}")
     both = "impossible (latency alone exceeds the target)" if compression_both is None else f"{compression_both:.4g}x"

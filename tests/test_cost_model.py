@@ -17,7 +17,9 @@ from crossdc.wan.cost_model import (
     Datacenter,
     StarPlan,
     compression_for_ratio,
+    flower_message_objects,
     flower_objects_per_message,
+    flower_objects_time,
     flower_round_trips,
     gloo_ring_allreduce_time,
     resolve_link,
@@ -133,6 +135,42 @@ def test_flower_round_trips_counted_from_the_protocol() -> None:
     plan = two_datacenter_plan(round_trips_per_round=None, params=ten_mib / 4)
     assert star_round(plan).round_trips == 3 + 4 + 4  # 8 objects each way
     assert star_round(replace(plan, compression_up=2.0, compression_down=2.0)).round_trips == 3 + 4 + 4  # 7 each way
+
+
+def test_flower_objects_move_two_at_a_time_each_connection_taking_the_next() -> None:
+    # a 467 KB payload: one chunk (first), then Message, RecordDict, 3 records, the Array
+    assert flower_message_objects(467_000.0) == [467_000.0] + [0.0] * 6
+    ten_mib = 2 * FLOWER_CHUNK_BYTES
+    assert flower_message_objects(ten_mib) == [FLOWER_CHUNK_BYTES] * 2 + [0.0] * 6
+    assert len(flower_message_objects(ten_mib, tensors=4)) == flower_objects_per_message(ten_mib, tensors=4)
+    # transoceanic (RTT 0.15 s, 0.0375 s of data): A takes the chunk (0.1875), B two small ones (0.30), then
+    # A 0.3375, B 0.45, A 0.4875, B 0.60
+    assert flower_objects_time([467_000.0] + [0.0] * 6, 0.15, 0.0375 / 467_000) == pytest.approx(0.60)
+    # constrained (RTT 0.3 s, 0.374 s of data): the chunk's lane ends last, at 0.674 + 2 * 0.3
+    assert flower_objects_time([467_000.0] + [0.0] * 6, 0.3, 0.374 / 467_000) == pytest.approx(1.274)
+    # the data cannot cross faster than the link: two 5 MiB chunks at 1 s each take 2 s + RTT, not 1 s + RTT
+    assert flower_objects_time([1.0, 1.0], 0.1, 1.0) == pytest.approx(2.1)
+    assert flower_objects_time([], 0.1, 1.0) == 0.0
+    assert flower_objects_time([0.0] * 3, 0.1, 1.0, concurrency=1) == pytest.approx(0.3)
+    with pytest.raises(CostModelError):
+        flower_objects_time([0.0], 0.1, 1.0, concurrency=0)
+    # the round: PullMessages, ConfirmMessageReceived and PushMessages, then the objects each way
+    plan = StarPlan(params=467_000 / 4, datacenters=uniform_datacenters(2, "transoceanic"), step_time_s=0.05, tau=2)
+    estimate = star_round(plan).datacenters[0]
+    data = transfer_time(467_000, 100.0)
+    assert estimate.comm_s == pytest.approx(3 * 0.15 + 2 * flower_objects_time([467_000.0] + [0.0] * 6, 0.15, data / 467_000))
+    assert estimate.latency_s == pytest.approx(estimate.comm_s - 2 * data) and estimate.round_trips == 11
+    # an explicit k keeps the plain formula
+    explicit = star_round(replace(plan, round_trips_per_round=11)).datacenters[0]
+    assert explicit.comm_s == pytest.approx(2 * data + 11 * 0.15)
+    # what the two ends spend on a request comes on top of every request's round trip
+    assert flower_objects_time([0.0] * 3, 0.1, 1.0, concurrency=1, request_s=0.05) == pytest.approx(0.45)
+    slow = star_round(replace(plan, request_s=0.02)).datacenters[0]
+    assert slow.comm_s == pytest.approx(3 * 0.17 + 2 * flower_objects_time([467_000.0] + [0.0] * 6, 0.15, data / 467_000,
+                                                                          request_s=0.02))
+    assert star_round(replace(plan, request_s=0.02, round_trips_per_round=11)).comm_s == pytest.approx(2 * data + 11 * 0.17)
+    with pytest.raises(CostModelError, match="request time"):
+        replace(plan, request_s=-1.0)
 
 
 # ----------------------------------------------------------------------------- what it takes

@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 
 from crossdc.experiment.links import LINK_PROFILES, LinkSpec
-from crossdc.wan.cost_model import flower_round_trips, ring_allreduce_time
+from crossdc.wan.cost_model import flower_message_pair_time, ring_allreduce_time
 
 BENCHMARKS = Path(__file__).resolve().parents[1] / "benchmarks"
 
@@ -46,9 +46,13 @@ def test_timeline_adds_the_slowest_datacenter_and_the_platform_time(bench) -> No
                "overhead_s": 0.25, "val_loss": 3.0, "val_accuracy": 0.1},
               {"round": 2, "tau": 5, "compute_s": [1.0, 1.0], "bytes_down": [0, 0], "bytes_up": [0, 0], "overhead_s": 0.0}]
     out = bench.timeline(rounds, link, tensors=1)
-    trips = [flower_round_trips(1_000_000, 500_000), flower_round_trips(1_000_000, 0), flower_round_trips(0, 0)]
-    first = max(1.0 + 1.5 + trips[0] * 0.1, 2.0 + 1.0 + trips[1] * 0.1)
-    assert out["wall_s"] == pytest.approx(first + 0.25 + 1.0 + trips[2] * 0.1)
+    # each way: the chunk on one connection (RTT + its bytes), the 6 small objects on the other (6 RTTs), so
+    # 3 RTTs + 0.6 s + 0.6 s with data; 3 RTTs + two ways of 6 objects over 2 connections (3 RTTs) with none
+    links = [flower_message_pair_time(1_000_000, 500_000, 0.1, 1.0, 0.5), flower_message_pair_time(1_000_000, 0, 0.1, 1.0, 0.0),
+             flower_message_pair_time(0, 0, 0.1, 0.0, 0.0)]
+    assert links == pytest.approx([0.3 + 1.1 + 0.6, 0.3 + 1.1 + 0.3, 0.3 + 0.3 + 0.3])
+    first = max(1.0 + links[0], 2.0 + links[1])
+    assert out["wall_s"] == pytest.approx(first + 0.25 + 1.0 + links[2])
     assert out["compute_s"] == pytest.approx(3.0) and out["bytes"] == 2_500_000 and out["steps"] == 10
     assert out["curve"] == [{"steps": 5, "bytes": 2_500_000, "wall_s": pytest.approx(first + 0.25), "val_loss": 3.0, "val_accuracy": 0.1}]
     # Flower's FedAvg: one Array per tensor, more objects, more round trips on the same bytes

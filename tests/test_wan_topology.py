@@ -13,8 +13,8 @@ from pathlib import Path
 import pytest
 
 from crossdc.experiment.links import LINK_PROFILES, LinkSpec
-from crossdc.wan.delay_line import DelayLine, HopState, _Flows
-from crossdc.wan.ledger import LedgerReader
+from crossdc.wan.delay_line import DelayLine, HopState, _Flows, data_bytes
+from crossdc.wan.ledger import LedgerReader, Transfer, ledger_line, payload_transfers, time_in_flight, within_exchanges
 from crossdc.wan.topology import COORDINATOR, MIN_QUEUE_PACKETS, Hop, build_topology, mesh_ledger
 
 TRANSOCEANIC = LINK_PROFILES["transoceanic"]
@@ -185,6 +185,34 @@ def test_flows_label_http_exchanges() -> None:
     # not TCP: no label, whatever it carries
     label = flows.label(udp_packet(DC, COORD), upward=True)
     assert (label.exchange, label.path) == ("-", "-")
+
+
+def test_data_bytes_is_the_tcp_payload() -> None:
+    assert data_bytes(tcp_packet(DC, COORD, 40000, 9092, seq=1)) == 0  # a bare acknowledgement
+    assert data_bytes(tcp_packet(DC, COORD, 40000, 9092, seq=1, payload=REQUEST)) == len(REQUEST)
+    assert data_bytes(udp_packet(DC, COORD, payload=b"x" * 10)) == 8 + 10  # not TCP: all after the IP header
+
+
+def test_an_exchange_ends_when_its_last_data_is_delivered() -> None:
+    """The bare packets a connection sends after its exchange (the last ACK, the closing FIN handshake, seconds
+    later) are not the exchange's time on the link; the ACKs in the middle of a transfer are."""
+    exchange = [Transfer("up", 900, 0.0, 0.075, "1.1", "/v1/fleet/push-object", 848),
+                Transfer("down", 52, 0.075, 0.150, "1.1", "/v1/fleet/push-object", 0),  # mid-transfer ACK: kept
+                Transfer("up", 65000, 0.150, 0.230, "1.1", "/v1/fleet/push-object", 64948),
+                Transfer("down", 200, 0.240, 0.315, "1.1", "/v1/fleet/push-object", 148),  # the response
+                Transfer("up", 52, 0.316, 0.391, "1.1", "/v1/fleet/push-object", 0),  # its ACK: after the end
+                Transfer("down", 52, 1.000, 1.075, "1.1", "/v1/fleet/push-object", 0),  # FIN handshake
+                Transfer("up", 52, 1.076, 1.151, "1.1", "/v1/fleet/push-object", 0)]
+    kept = within_exchanges(exchange)
+    assert kept == exchange[:4]
+    assert time_in_flight(kept) == pytest.approx(0.230 + 0.075)
+    assert payload_transfers(exchange) == exchange[:4]
+    # unknown data (the relay's chunks, old ledgers) and traffic of no exchange are kept whole
+    unknown = [Transfer("up", 52, 0.0, 0.1, "1.1", "/v1/fleet/push-object"), Transfer("up", 52, 2.0, 2.1, "-", "-", 0)]
+    assert within_exchanges(unknown) == unknown
+    # the ledger keeps the data column; a line without it reads as all data
+    assert ledger_line(exchange[1]).split()[-1] == "0"
+    assert len(ledger_line(unknown[0]).split()) == 6
 
 
 # ------------------------------------------------------------------ the delay line between fake devices

@@ -29,21 +29,31 @@ Two regimes are modelled.
    its update (bytes_up = 4·P / compression_up):
 
        compute_i = τ · t_step / speed_i
-       comm_i    = bytes_down/B_i + bytes_up/B_i + k · RTT_i
+       comm_i    = 3 · (RTT_i + r) + O(objects_down) + O(objects_up)
        round     = max_i (compute_i + comm_i + overhead_s) + coordinator_s
 
-   k is the number of sequential request/response exchanges per round on the
-   datacenter's link (`round_trips_per_round`). By default it is derived from
-   Flower 1.42's SuperNode protocol (`flower_round_trips`): 3 fixed exchanges
-   per message plus one exchange per object of the message, two in flight.
+   as Flower 1.42's SuperNode moves a message (read in its source): 3 fixed
+   exchanges per message (PullMessages, ConfirmMessageReceived, PushMessages),
+   then the message's objects, two requests in flight, each connection taking
+   the next object as soon as its previous one is answered; a small object
+   costs a round trip, a chunk (≤ 5 MiB of the arrays) a round trip plus its
+   bytes/B_i, and the objects of one direction take at least RTT_i + bytes/B_i
+   (`flower_objects_time`); every request also costs r (`request_s`, default
+   0), the time the two ends spend on it besides the link. `round_trips` reports k, the sequential exchanges
+   were the two connections in lock-step (`flower_round_trips`). With an
+   explicit k (`round_trips_per_round`) the plain form is used instead:
+
+       comm_i    = bytes_down/B_i + bytes_up/B_i + k · (RTT_i + r)
+
    With a coordinator bandwidth cap C (`coordinator_bandwidth_mbps`), the N
    downloads share the coordinator's egress and the N uploads its ingress
    (full duplex, each direction on its own), so a transfer takes
    max(bytes/B_i, N·bytes/C): it cannot end before all N payloads have crossed
    the coordinator's link (exact for identical datacenters uploading at once).
 
-What is not modelled: TCP slow start after the idle compute phase (a few RTTs
-per connection), window limits (throughput ≤ window/RTT), packet loss,
+What is not modelled: TCP's window growth on a new connection and slow start
+after an idle phase (a few RTTs on a connection's first large transfers),
+window limits (throughput ≤ window/RTT), packet loss,
 (de)serialisation, Flower's 3 s idle polling and ClientApp start-up (those
 belong in `overhead_s`, which defaults to 0), and compute/communication
 overlap in either regime.
@@ -292,6 +302,58 @@ def flower_round_trips(bytes_down: float, bytes_up: float, tensors: int = 1, *,
     return k + (FLOWER_FIRST_MESSAGE_EXCHANGES if first_message else 0)
 
 
+def flower_message_objects(payload_bytes: float, tensors: int = 1,
+                           records: int = CROSSDC_RECORDS_PER_MESSAGE,
+                           chunk_bytes: int = FLOWER_CHUNK_BYTES) -> list[float]:
+    """Bytes of data in each object Flower 1.42 moves for a message, in the order it moves them: the arrays' chunks
+    first (T · ⌈payload / (T · chunk)⌉ equal chunks), then the Message, RecordDict, record and Array objects, whose
+    few hundred bytes of metadata count as 0 (flower_objects_per_message counts the same objects)."""
+    count = flower_objects_per_message(payload_bytes, tensors, records, chunk_bytes)
+    chunks = count - (2 + records + tensors)
+    return [payload_bytes / chunks] * chunks + [0.0] * (count - chunks) if chunks else [0.0] * count
+
+
+def flower_objects_time(objects: list[float], rtt_s: float, seconds_per_byte: float,
+                        concurrency: int = FLOWER_OBJECT_CONCURRENCY, request_s: float = 0.0) -> float:
+    """Seconds to move a message's objects, `concurrency` requests in flight, each connection taking the next object
+    as soon as its previous one is answered (flwr/supercore/inflatable_utils.py: a thread pool of that size):
+
+        time = max(makespan of that schedule with one object = RTT + request_s + bytes · seconds_per_byte,
+                   RTT + request_s + Σ bytes · seconds_per_byte)
+
+    The second term: the link carries the data no faster than its bandwidth, however many requests are in flight.
+    `request_s`: the time the two ends spend on one request besides the link (answering it, sending the next).
+    No objects: 0 s."""
+    _positive_int("concurrency", concurrency)
+    _non_negative("RTT (s)", rtt_s)
+    _non_negative("request time (s)", request_s)
+    _non_negative("seconds per byte", seconds_per_byte)
+    if not objects:
+        return 0.0
+    lanes = [0.0] * min(concurrency, len(objects))
+    for size in objects:
+        lane = min(range(len(lanes)), key=lanes.__getitem__)
+        lanes[lane] += rtt_s + request_s + size * seconds_per_byte
+    return max(max(lanes), rtt_s + request_s + sum(objects) * seconds_per_byte)
+
+
+def flower_message_pair_time(bytes_down: float, bytes_up: float, rtt_s: float, transfer_down_s: float,
+                             transfer_up_s: float, tensors: int = 1,
+                             records: int = CROSSDC_RECORDS_PER_MESSAGE, request_s: float = 0.0) -> float:
+    """Seconds a datacenter's link spends on one round's message pair (Flower 1.42, see the module docstring):
+
+        3 · (RTT + request_s) + flower_objects_time(objects down) + flower_objects_time(objects up)
+
+    where each direction's data takes `transfer_*_s` in all (its bytes over the link's bandwidth, or its share of a
+    coordinator cap), and `request_s` is what the two ends spend on each request besides the link."""
+    down = flower_message_objects(bytes_down, tensors, records)
+    up = flower_message_objects(bytes_up, tensors, records)
+    concurrency = FLOWER_OBJECT_CONCURRENCY
+    return (FLOWER_FIXED_EXCHANGES_PER_MESSAGE * (rtt_s + request_s)
+            + flower_objects_time(down, rtt_s, transfer_down_s / bytes_down if bytes_down else 0.0, concurrency, request_s)
+            + flower_objects_time(up, rtt_s, transfer_up_s / bytes_up if bytes_up else 0.0, concurrency, request_s))
+
+
 # ----------------------------------------------------------------------------- crossdc's star
 
 
@@ -324,6 +386,8 @@ class StarPlan:
     direction; None = not a bottleneck.
     coordinator_s: aggregation/evaluation time on the coordinator per round.
     overhead_s: per-datacenter time outside compute and link (Flower polling, process start).
+    request_s: what the SuperLink and the SuperNode spend on each protocol request besides the link (answering it,
+    sending the next); 0 = the links alone. `benchmarks/wan_validation.py` measures it on a metro link.
     """
 
     params: float
@@ -338,6 +402,7 @@ class StarPlan:
     coordinator_bandwidth_mbps: float | None = None
     coordinator_s: float = 0.0
     overhead_s: float = 0.0
+    request_s: float = 0.0
 
     def __post_init__(self) -> None:
         _positive("params", self.params)
@@ -352,6 +417,7 @@ class StarPlan:
         _positive_int("tau", self.tau)
         _positive("compression ratio (uplink)", self.compression_up)
         _positive("compression ratio (downlink)", self.compression_down)
+        _non_negative("request time (s)", self.request_s)
         _positive("bytes per parameter", self.bytes_per_param)
         if self.round_trips_per_round is not None:
             _non_negative_int("round trips per round", self.round_trips_per_round)
@@ -428,10 +494,13 @@ def star_round(plan: StarPlan) -> RoundEstimate:
     """Predict one crossdc round:
 
         compute_i = τ · t_step / speed_i
-        comm_i    = T(bytes_down, B_i) + T(bytes_up, B_i) + k · RTT_i
+        comm_i    = 3 · RTT_i + O(objects_down, T_down) + O(objects_up, T_up)      (Flower's protocol, the default)
+        comm_i    = T(bytes_down, B_i) + T(bytes_up, B_i) + k · RTT_i             (an explicit k)
         round     = max_i (compute_i + comm_i + overhead_s) + coordinator_s
 
-    with T(bytes, B_i) = bytes/B_i, or max(bytes/B_i, N · bytes/C) under a coordinator cap C.
+    with T(bytes, B_i) = bytes/B_i, or max(bytes/B_i, N · bytes/C) under a coordinator cap C, and O the time
+    Flower's two connections take to move a message's objects (`flower_objects_time`: a small object costs a round
+    trip, the chunks carry the bytes). `round_trips` reports k (`flower_round_trips`) either way.
     """
     n = len(plan.datacenters)
     k = plan.round_trips
@@ -444,7 +513,12 @@ def star_round(plan: StarPlan) -> RoundEstimate:
         if plan.coordinator_bandwidth_mbps is not None:
             t_down = max(t_down, transfer_time(n * down, plan.coordinator_bandwidth_mbps))
             t_up = max(t_up, transfer_time(n * up, plan.coordinator_bandwidth_mbps))
-        latency = k * dc.link.rtt_ms / 1000.0
+        rtt = dc.link.rtt_ms / 1000.0
+        if plan.round_trips_per_round is None:
+            latency = flower_message_pair_time(down, up, rtt, t_down, t_up, plan.tensors,
+                                               request_s=plan.request_s) - t_down - t_up
+        else:
+            latency = k * (rtt + plan.request_s)
         rows.append((dc, compute, t_down, t_up, latency, compute + t_down + t_up + latency + plan.overhead_s))
     round_s = max(r[5] for r in rows) + plan.coordinator_s
     estimates = tuple(
@@ -508,9 +582,9 @@ def compression_for_ratio(plan: StarPlan, target: float = DEFAULT_TARGET_RATIO,
         c = max_i A_i / (target · compute_i − F_i − L_i)
 
     and None when some denominator is ≤ 0 (latency, or the uncompressed direction, alone breaks
-    the target: no compression helps). When k is derived from Flower's protocol it shrinks as c
-    grows (fewer chunks): the closed form is solved at the lowest k to bound c from below and at
-    k(c) to bound it from above, then bisected; the result is checked against `star_round`.
+    the target: no compression helps). When comm follows Flower's protocol (no explicit k), it falls
+    monotonically as c grows (fewer bytes, then fewer chunks): c is bisected against `star_round`
+    to a relative 1e-12.
     Returns 1.0 when the target is met without compression.
     """
     _positive("target ratio", target)
@@ -544,19 +618,13 @@ def compression_for_ratio(plan: StarPlan, target: float = DEFAULT_TARGET_RATIO,
         if c is None:
             return None
         return _settle(max(c, 1.0), ok)
-    # k derived from the payloads: it only falls as c grows, down to its value for tiny payloads
-    k_min = flower_round_trips(plan.bytes_down if direction == "up" else 1.0, 1.0, plan.tensors)
-    low = closed_form(k_min)
-    if low is None:
-        return None
-    low = max(low, 1.0)
-    if ok(low):
-        return _settle(low, ok)
-    high = closed_form(at(low).round_trips)
-    if high is None:
-        return None
-    while not ok(high):  # cannot happen (k(high) ≤ k(low)); a guard against rounding
-        high = math.nextafter(high, math.inf) * (1 + 1e-12)
+    # Flower's protocol: comm only falls as c grows (fewer bytes, then fewer chunks), so bisect between a c that
+    # misses the target and one that meets it; none meets it when the round trips alone break the target
+    low, high = 1.0, 2.0
+    while not ok(high):
+        if high > 1e15:
+            return None
+        low, high = high, high * 2
     for _ in range(200):
         if high - low <= 1e-12 * high:
             break
@@ -565,9 +633,6 @@ def compression_for_ratio(plan: StarPlan, target: float = DEFAULT_TARGET_RATIO,
             high = mid
         else:
             low = mid
-    exact = closed_form(at(high).round_trips)  # exact within the last bracket, when k is constant in it
-    if exact is not None and low < exact <= high and ok(exact):
-        high = exact
     return high
 
 

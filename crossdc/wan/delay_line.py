@@ -102,6 +102,16 @@ class HopState:
                 "dropped_queue": self.dropped_queue, "dropped_cut": self.dropped_cut}
 
 
+def data_bytes(packet: bytes) -> int:
+    """Bytes of data an IPv4 packet carries for its connection: the TCP payload (0 for a bare acknowledgement or
+    FIN), or everything after the IP header for other protocols."""
+    ihl = (packet[0] & 0x0F) * 4
+    total = int.from_bytes(packet[2:4], "big") or len(packet)
+    if packet[9] != _TCP or len(packet) < ihl + 20:
+        return max(0, total - ihl)
+    return max(0, total - ihl - (packet[ihl + 12] >> 4) * 4)
+
+
 @dataclass(frozen=True)
 class FlowLabel:
     exchange: str
@@ -193,7 +203,7 @@ class DelayLine:
                     pass  # the receiving device is gone or full: the packet is lost, as on a real network
                 left = max(departure, now)  # the last hop ends when the packet is handed to the receiver
             self.ledgers[hop.ledger].write(ledger_line(Transfer(hop.direction, len(packet), entered, left,
-                                                                label.exchange, label.path)))
+                                                                label.exchange, label.path, data_bytes(packet))))
 
     # ----------------------------------------------------------------- control
     def command(self, line: str) -> None:

@@ -2,9 +2,10 @@
 the round asks of it: which transfers carried the round's messages, how long the link carried them, how many
 bytes went each way.
 
-A ledger line is ``direction size entered left exchange path``: ``up`` (datacenter → coordinator) or ``down``,
+A ledger line is ``direction size entered left exchange path data``: ``up`` (datacenter → coordinator) or ``down``,
 bytes, the wall-clock times the bytes entered the link and were handed to the far side, the HTTP exchange
-("<connection>.<request>") and its request path, ``-`` where unknown. :func:`ledger_line` writes one,
+("<connection>.<request>") and its request path, ``-`` where unknown, and the bytes of data the packet carries
+for its connection (TCP payload: 0 for a bare acknowledgement; a line without it is read as all data). :func:`ledger_line` writes one,
 :class:`LedgerReader` reads them back.
 """
 
@@ -25,6 +26,7 @@ class Transfer:
     left: float  # time.time() when it was handed to the far side
     exchange: str = "-"  # "<connection>.<request>" (an HTTP/1.1 request and its response), "-" if unknown
     path: str = "-"  # the request's path, e.g. /v1/fleet/pull-object
+    data: int | None = None  # bytes of TCP payload (0: a bare acknowledgement or FIN); None: all of `size` is data
 
 
 class ExchangeTracker:
@@ -71,8 +73,9 @@ class LedgerReader:
     def _read_new(self) -> None:
         lines, self._offset = read_new_lines(self.path, self._offset)
         for line in lines:
-            direction, size, entered, left, exchange, path = line.split()
-            self._transfers.append(Transfer(direction, int(size), float(entered), float(left), exchange, path))
+            direction, size, entered, left, exchange, path, *data = line.split()
+            self._transfers.append(Transfer(direction, int(size), float(entered), float(left), exchange, path,
+                                            int(data[0]) if data else None))
 
     def window(self, start: float, end: float) -> list[Transfer]:
         """Transfers that entered the link within [start, end]; older ones are forgotten."""
@@ -115,7 +118,7 @@ def time_in_flight(transfers: Iterable[Transfer]) -> float:
 
 
 #: Fleet API requests that move a message's content (objects) or its acknowledgement
-_PAYLOAD_PATHS = ("/v1/fleet/pull-object", "/v1/fleet/push-object", "/v1/fleet/push-messages",
+PAYLOAD_PATHS = ("/v1/fleet/pull-object", "/v1/fleet/push-object", "/v1/fleet/push-messages",
                   "/v1/fleet/confirm-message-received", "/v1/fleet/get-run", "/v1/fleet/get-fab")
 _POLL_PATH = "/v1/fleet/pull-messages"
 
@@ -132,7 +135,21 @@ def payload_transfers(transfers: list[Transfer]) -> list[Transfer]:
     if first_object is not None:
         polls = [t for t in ordered if t.path == _POLL_PATH and t.entered <= first_object]
         delivering = polls[-1].exchange if polls else None
-    return [t for t in ordered if t.path in _PAYLOAD_PATHS or (delivering is not None and t.exchange == delivering)]
+    kept = [t for t in ordered if t.path in PAYLOAD_PATHS or (delivering is not None and t.exchange == delivering)]
+    return within_exchanges(kept)
+
+
+def within_exchanges(transfers: list[Transfer]) -> list[Transfer]:
+    """`transfers` less what each HTTP exchange's connection sent after the exchange was over: an exchange ends when
+    its last packet that carries data (request or response bytes) is delivered; the bare packets that follow on
+    its connection (the last acknowledgement, keep-alives, the closing handshake) wait on nobody. Transfers of no
+    known exchange, and those whose data is unknown, are kept."""
+    last_data: dict[str, float] = {}
+    for t in transfers:
+        if t.exchange != "-" and (t.data is None or t.data > 0):
+            last_data[t.exchange] = max(last_data.get(t.exchange, t.left), t.left)
+    return [t for t in transfers if t.exchange == "-" or t.data is None or t.data > 0
+            or (t.exchange in last_data and t.entered <= last_data[t.exchange])]
 
 
 def bytes_by_direction(transfers: Iterable[Transfer]) -> dict[str, int]:
@@ -145,8 +162,9 @@ def bytes_by_direction(transfers: Iterable[Transfer]) -> dict[str, int]:
 
 def ledger_line(transfer: Transfer) -> str:
     """The ledger's line for `transfer` (newline included)."""
+    data = "" if transfer.data is None else f" {transfer.data}"
     return (f"{transfer.direction} {transfer.size} {transfer.entered:.6f} {transfer.left:.6f} "
-            f"{transfer.exchange} {transfer.path}\n")
+            f"{transfer.exchange} {transfer.path}{data}\n")
 
 
 def bytes_of_datacenter(transfers: Iterable[Transfer], datacenter: str) -> dict[str, int]:
