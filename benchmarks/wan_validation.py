@@ -149,8 +149,8 @@ def flower_rows(profiles: list[str], rounds: int) -> tuple[dict[str, Any], list[
             "error_rel_links_only": statistics.median(comm) / links_only.comm_s - 1,
             "comm_s_first_rounds_median": statistics.median(first), "first_rounds": WARM_UP_ROUNDS,
             "error_rel_first_rounds": statistics.median(first) / predicted.comm_s - 1,
-            "request_s_here": statistics.median(request_times(path)["server_s"] + request_times(path)["client_s"]
-                                                for path in sorted((run_dir / "logs" / "links").glob("*.ledger"))),
+            "request_s_here": statistics.median(here["server_s"] + here["client_s"] for here in (
+                request_times(path) for path in sorted((run_dir / "logs" / "links").glob("*.ledger")))),
             "bytes_up_median": statistics.median(r["bytes_up"] for r in measured),
             "framing_overhead_up": statistics.median(framing_up), "framing_overhead_down": statistics.median(framing_down),
             "run_id": run_dir.name,

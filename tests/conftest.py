@@ -26,6 +26,18 @@ from tcp_relay import TcpRelay  # noqa: E402
 #: what measures a local run's links here: the namespace emulator where it can run, else the relay fallback
 COMM_SOURCE = "delay-line" if namespaces_unavailable() is None else "relay"
 
+
+@pytest.fixture
+def namespaces() -> None:
+    """For tests that need the namespace emulator (`pytest.mark.usefixtures("namespaces")`, or namespaced.py's
+    `needs_namespaces`): skipped with the reason where namespaces cannot be made; under CI, which runs as root, a
+    machine without them is broken, so the test fails instead of skipping."""
+    reason = namespaces_unavailable()
+    if reason is not None:
+        if os.environ.get("CI"):
+            pytest.fail(f"CI cannot run the namespace emulator: {reason}", pytrace=False)
+        pytest.skip(reason)
+
 PG_ADMIN_URL = os.environ.get(
     "CROSSDC_TEST_PG_ADMIN_URL", "postgresql+psycopg://postgres@127.0.0.1:5432/test"
 )
@@ -40,12 +52,12 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
     out whole files in this order), so that the suite does not end waiting on one long file that started last.
     A test's `timeout` mark is its author's bound on how long it runs; a file counts by its longest."""
     default = float(config.getini("timeout") or 0)
-    longest: dict[str, float] = {}
+    longest: dict[Path, float] = {}
     for item in items:
         mark = item.get_closest_marker("timeout")
         bound = float(mark.args[0]) if mark is not None and mark.args else default
-        longest[item.nodeid.split("::", 1)[0]] = max(longest.get(item.nodeid.split("::", 1)[0], 0.0), bound)
-    items.sort(key=lambda item: -longest[item.nodeid.split("::", 1)[0]])  # stable: a file's own order is kept
+        longest[item.path] = max(longest.get(item.path, 0.0), bound)
+    items.sort(key=lambda item: -longest[item.path])  # stable: a file's own order is kept
 
 
 def crossdc_executable() -> str:

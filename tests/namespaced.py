@@ -19,11 +19,11 @@ from pathlib import Path
 import pytest
 
 from crossdc.experiment.links import LinkSpec
-from crossdc.wan.network import EmulatedNetwork, _process_start, namespaces_unavailable
+from crossdc.wan.network import EmulatedNetwork, _process_start
 
-REASON = namespaces_unavailable()
-#: for tests whose datacenters run in namespaces: skipped, with the reason, where namespaces cannot be made
-needs_namespaces = pytest.mark.skipif(REASON is not None, reason=str(REASON))
+#: for tests whose datacenters run in namespaces: skipped, with the reason, where namespaces cannot be made (failed
+#: under CI; conftest's `namespaces` fixture)
+needs_namespaces = pytest.mark.usefixtures("namespaces")
 
 #: what a datacenter's processes need in their namespace besides the operator's environment: gloo (the trainers' DDP
 #: worker group) on the namespace's loopback, the datacenter's own fabric (as local runs do)

@@ -12,7 +12,6 @@ import pytest
 from crossdc.experiment.config import parse_config
 from crossdc.orchestration import local_run
 from crossdc.orchestration.local_run import EMULATOR_NAMESPACES, EMULATOR_RELAY, LocalRun, LocalRunOptions, RunFailed
-from crossdc.wan.network import namespaces_unavailable
 
 STAR = """
 [run]
@@ -59,7 +58,7 @@ def test_without_namespaces_a_mesh_is_refused_with_the_reason(tmp_path: Path, mo
         run_of(MESH, tmp_path)._choose_emulator()
 
 
-@pytest.mark.skipif(namespaces_unavailable() is not None, reason=str(namespaces_unavailable()))
+@pytest.mark.usefixtures("namespaces")
 def test_with_namespaces_every_run_uses_them(tmp_path: Path) -> None:
     assert run_of(STAR, tmp_path)._choose_emulator() == EMULATOR_NAMESPACES
     assert run_of(MESH, tmp_path)._choose_emulator() == EMULATOR_NAMESPACES

@@ -20,7 +20,6 @@ from crossdc.db.queries import get_run, list_datacenter_rounds, list_rounds
 from crossdc.experiment.builders import build_workload, datacenter_seed, initial_model
 from crossdc.experiment.config import parse_config
 from crossdc.wan.ledger import Transfer, bytes_of_datacenter
-from crossdc.wan.network import namespaces_unavailable
 
 CONFIG = """
 [run]
@@ -89,7 +88,7 @@ def reference_weights(config_text: str) -> dict[str, np.ndarray]:
 
 @pytest.mark.deployment
 @pytest.mark.timeout(600)
-@pytest.mark.skipif(namespaces_unavailable() is not None, reason=str(namespaces_unavailable()))
+@pytest.mark.usefixtures("namespaces")
 def test_sync_dp_all_reduces_over_the_emulated_wan_and_trains_the_concatenated_batches(tmp_path: Path) -> None:
     (tmp_path / "config.toml").write_text(CONFIG)
     db_url = f"sqlite:///{tmp_path / 'runs.db'}"

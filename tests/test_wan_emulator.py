@@ -28,13 +28,9 @@ import pytest
 from crossdc.experiment.links import LINK_PROFILES, LinkSpec
 from crossdc.experiment.processes import enter_network_namespace, is_running
 from crossdc.wan.ledger import LedgerReader
-from crossdc.wan.network import EmulatedNetwork, _process_start, namespaces_unavailable, sweep
+from crossdc.wan.network import EmulatedNetwork, _process_start, sweep
 
-REASON = namespaces_unavailable()
-if REASON is not None:
-    if os.environ.get("CI"):  # CI runs as root: there, no namespaces is a broken machine, not a reason to skip
-        pytest.fail(f"CI cannot run the WAN emulator's tests: {REASON}", pytrace=False)
-    pytest.skip(REASON, allow_module_level=True)
+pytestmark = pytest.mark.usefixtures("namespaces")  # skipped without namespaces, failed under CI (conftest)
 
 from conftest import processes_mentioning  # noqa: E402
 

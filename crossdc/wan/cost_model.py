@@ -348,10 +348,9 @@ def flower_message_pair_time(bytes_down: float, bytes_up: float, rtt_s: float, t
     coordinator cap), and `request_s` is what the two ends spend on each request besides the link."""
     down = flower_message_objects(bytes_down, tensors, records)
     up = flower_message_objects(bytes_up, tensors, records)
-    concurrency = FLOWER_OBJECT_CONCURRENCY
     return (FLOWER_FIXED_EXCHANGES_PER_MESSAGE * (rtt_s + request_s)
-            + flower_objects_time(down, rtt_s, transfer_down_s / bytes_down if bytes_down else 0.0, concurrency, request_s)
-            + flower_objects_time(up, rtt_s, transfer_up_s / bytes_up if bytes_up else 0.0, concurrency, request_s))
+            + flower_objects_time(down, rtt_s, transfer_down_s / bytes_down if bytes_down else 0.0, request_s=request_s)
+            + flower_objects_time(up, rtt_s, transfer_up_s / bytes_up if bytes_up else 0.0, request_s=request_s))
 
 
 # ----------------------------------------------------------------------------- crossdc's star
