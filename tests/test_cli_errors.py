@@ -21,7 +21,7 @@ from conftest import CROSSDC  # tests/ is on sys.path
 REPO = Path(__file__).resolve().parents[1]
 SYNTHETIC_EXAMPLE = REPO / "examples" / "synthetic-2dc.toml"
 CLI_TIMEOUT_S = 120
-FLOWER_PROCESS_MARKERS = ("flower-superlink", "flower-supernode", "flower-superexec", "flwr-serverapp",
+FLOWER_PROCESS_MARKERS = ("flower-superlink", "flower-supernode", "crossdc.clients.supernode", "flower-superexec", "flwr-serverapp",
                           "flwr-clientapp", "crossdc.clients.trainer")
 
 

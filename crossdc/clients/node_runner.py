@@ -12,8 +12,9 @@ import sys
 import time
 from pathlib import Path
 
+from crossdc.clients import supernode
 from crossdc.clients.node import node_authkey, node_socket
-from crossdc.experiment.processes import ProcessGroup, flower_env, free_port, venv_bin
+from crossdc.experiment.processes import ProcessGroup, flower_env, free_port
 from crossdc.protocol import DATACENTER, NODE_AUTHKEY_FILE, NODE_SERVICE
 
 
@@ -37,7 +38,7 @@ def supernode_command(superlink: str, datacenter: str, state_dir: Path, root_cer
                    f'{NODE_AUTHKEY_FILE}="{state_dir / "authkey"}"')
     security = ["--insecure"] if insecure else ["--root-certificates", str(root_certificates)]
     auth = ["--auth-supernode-private-key", str(auth_key)] if auth_key is not None else []
-    return [venv_bin("flower-supernode"), *security, *auth, "--superlink", superlink, "--port", str(free_port()),
+    return [*supernode.command(), *security, *auth, "--superlink", superlink, "--port", str(free_port()),
             "--node-config", node_config]
 
 

@@ -37,6 +37,7 @@ from typing import Any
 from sqlalchemy.exc import OperationalError
 
 from crossdc import protocol
+from crossdc.clients import supernode
 from crossdc.clients.channel import TrainerUnavailable, call_trainer
 from crossdc.db.engine import absolute_database_url, make_engine, upgrade
 from crossdc.db.errors import DatabaseUnavailable
@@ -249,7 +250,7 @@ class LocalRun:
         node_config = f'{protocol.DATACENTER}="{name}" {protocol.NODE_TRAINER}="{self.run_dir.trainer_socket(name)}"'
         self.processes.start(
             f"supernode-{name}",
-            [venv_bin("flower-supernode"), "--insecure", "--superlink", superlink, "--port", str(free_port()),
+            [*supernode.command(), "--insecure", "--superlink", superlink, "--port", str(free_port()),
              "--node-config", node_config],
             self.run_dir.logs / f"supernode-{name}.log", **self._datacenter_process(name),
         )
