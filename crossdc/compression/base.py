@@ -4,8 +4,8 @@ A codec is one stage of the pipeline that turns a datacenter's update into what 
 
 - a **structure** codec (top-k, PowerSGD) decides *which* numbers are sent: it maps a dense tensor to
   dense values, kept positions + values, or low-rank factors;
-- a **values** codec (int8, QSGD) decides *how* each sent number is written: it maps a float vector to
-  integer codes with float32 scales.
+- a **values** codec (int8, int4, fp8, QSGD) decides *how* each sent number is written: it maps a float vector
+  to low-bit codes with float32 scales.
 
 A pipeline holds at most one of each, structure first (``["topk:0.01", "int8"]``: sparsify, then
 quantise the surviving values). Spelling (as in the experiment config): ``"name[:arg][:key=value]..."``; the bare
@@ -16,6 +16,7 @@ the same way) and, for code in the same process, the :func:`register_codec` deco
 
 from __future__ import annotations
 
+import math
 from abc import ABC, abstractmethod
 from collections.abc import Mapping
 from dataclasses import dataclass
@@ -23,7 +24,7 @@ from typing import Any, ClassVar
 
 import torch
 
-from crossdc.compression.wire import CodecError, EncodedTensor, Values
+from crossdc.compression.wire import VALUE_KINDS, CodecError, EncodedTensor, Values
 from crossdc.parameters import Parameter, ParameterError, check_parameters
 from crossdc.plugins import PluginRegistry
 
@@ -99,8 +100,24 @@ class ValuesCodec(Codec):
     """Decides how each sent float is written."""
 
     stage = VALUES
-    #: bytes one sent value costs on the wire (scales aside): the pipeline weighs sparse against dense with it
+    #: the wire encoding (a key of wire.VALUE_KINDS) its values are written as; None: not declared (a plug-in's
+    #: choice at each call), and the pipeline counts `value_bytes` per value
+    encoding: ClassVar[str | None] = None
+    #: bytes one sent value costs on the wire (scales aside; 0.5 for int4)
     value_bytes: ClassVar[float] = FLOAT32_BYTES
+
+    def wire_encoding(self) -> str | None:
+        """The wire encoding this codec writes with these parameters (default: the class's `encoding`)."""
+        return self.encoding
+
+    def wire_bytes(self, count: int) -> int:
+        """Bytes `count` values cost on the wire, codes and scales, as :func:`wire.serialize` writes them: what the
+        pipeline weighs sparse against dense with. Exact for a declared encoding (scale blocks of this codec's
+        ``block``, 0 when it has none); ⌈count · value_bytes⌉ otherwise."""
+        encoding = self.wire_encoding()
+        if encoding is None:
+            return math.ceil(count * self.value_bytes)
+        return VALUE_KINDS[encoding].section_bytes(count, int(self.params.get("block", 0)))
 
     @abstractmethod
     def quantize(self, values: torch.Tensor, generator: torch.Generator | None) -> Values:

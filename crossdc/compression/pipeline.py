@@ -26,7 +26,6 @@ import numpy as np
 import torch
 
 from crossdc.compression.base import (
-    FLOAT32_BYTES,
     Codec,
     CodecConfigError,
     StructureCodec,
@@ -36,7 +35,19 @@ from crossdc.compression.base import (
     build_codec,
 )
 from crossdc.compression.index_coding import IndexCodingError, bitmap_size, decode_positions, encode_positions, varint_size
-from crossdc.compression.wire import DENSE, LOWRANK, SPARSE, CodecError, EncodedTensor, parse, plain, reconstruct, serialize
+from crossdc.compression.wire import (
+    DENSE,
+    F32,
+    LOWRANK,
+    SPARSE,
+    VALUE_KINDS,
+    CodecError,
+    EncodedTensor,
+    parse,
+    plain,
+    reconstruct,
+    serialize,
+)
 
 
 @dataclass
@@ -151,16 +162,17 @@ class CodecPipeline:
     def lossless(self) -> bool:
         return self.structure is None and self.values is None
 
-    def _value_bytes(self) -> float:
-        return self.values.value_bytes if self.values is not None else FLOAT32_BYTES
+    def _values_bytes(self, count: int) -> int:
+        """Bytes `count` sent values cost on the wire, codes and scales (float32 without a values codec)."""
+        return self.values.wire_bytes(count) if self.values is not None else VALUE_KINDS[F32].section_bytes(count, 0)
 
     def _cheaper(self, encoded: EncodedTensor, accumulated: torch.Tensor) -> EncodedTensor:
         """Dense instead of sparse when sending every value costs no more than positions + kept values."""
         if encoded.kind != SPARSE or encoded.positions is None:
             return encoded
         kept = encoded.positions.numel()
-        sparse_cost = min(varint_size(encoded.positions), bitmap_size(encoded.numel)) + kept * self._value_bytes()
-        if encoded.numel * self._value_bytes() <= sparse_cost:
+        sparse_cost = min(varint_size(encoded.positions), bitmap_size(encoded.numel)) + self._values_bytes(kept)
+        if self._values_bytes(encoded.numel) <= sparse_cost:
             return EncodedTensor(encoded.name, encoded.shape, DENSE, [plain(accumulated)])
         return encoded
 

@@ -7,16 +7,30 @@ Layout of a payload (every byte of it is what crosses the WAN and is counted):
 The header lists, per tensor: name ``n``, shape ``s``, kind ``k`` (``dense``, ``sparse``, ``lowrank``),
 for sparse tensors the position encoding ``i`` (varint or bitmap), the number of kept values ``c``
 and the index bytes ``ib``, for low-rank tensors the matrix view ``m`` and rank ``r``, and the value
-arrays ``a`` (each: encoding ``e`` = f32, q8 or q16, element count ``n``, scale block ``b``).
-Sections follow in header order: a sparse tensor's position bytes, then for every value array its
-codes and, for q8/q16, its float32 scales (one per block). Decoding checks that the sizes add up
-to the payload's length exactly, so a truncated or padded payload is refused.
+arrays ``a`` (each: encoding ``e``, element count ``n``, scale block ``b``). Sections follow in header
+order: a sparse tensor's position bytes, then for every value array its codes and, for the scaled
+encodings, its float32 scales (one per block). Decoding checks that the sizes add up to the payload's
+length exactly, so a truncated or padded payload is refused, and refuses scales that are negative or
+not finite, int4 codes outside [−7, 7] and a non-zero padding nibble (a NaN e4m3 code decodes to NaN,
+which the pipeline's decoder refuses with every other NaN).
+
+The value encodings (:data:`VALUE_KINDS`, one definition each: what the codes are, how many bytes n of
+them take, whether scales follow):
+
+- ``f32``: plain float32, 4 bytes per value;
+- ``q8`` / ``q16``: int8 / int16 codes (little-endian) times a scale per block;
+- ``f8``: float8 e4m3 codes (1 sign, 4 exponent, 3 mantissa bits; finite up to ±448, no infinities)
+  times a scale per block, 1 byte per value;
+- ``q4``: int4 codes in [−7, 7] times a scale per block, two per byte: value 2i in the low nibble of
+  byte i, value 2i + 1 in its high nibble, each as 4-bit two's complement; an odd count leaves the last
+  high nibble 0. n values take ⌈n/2⌉ bytes.
 """
 
 from __future__ import annotations
 
 import json
 import struct
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -24,8 +38,11 @@ import torch
 
 MAGIC = b"CDC1"
 DENSE, SPARSE, LOWRANK = "dense", "sparse", "lowrank"
-F32, Q8, Q16 = "f32", "q8", "q16"
-_CODE_DTYPES = {Q8: torch.int8, Q16: torch.int16}
+F32, Q8, Q16, F8, Q4 = "f32", "q8", "q16", "f8", "q4"
+#: bytes of one float32 scale
+SCALE_BYTES = 4
+#: the largest magnitude an int4 code takes (the codes are symmetric: −8 is never written)
+INT4_MAX = 7
 
 
 class CodecError(ValueError):
@@ -37,8 +54,8 @@ class Values:
     """One vector of floats as sent: plain float32, or integer codes times a float32 scale per block."""
 
     encoding: str
-    codes: torch.Tensor  # float32 for f32; int8/int16 codes otherwise
-    scales: torch.Tensor | None = None  # float32, one per block (q8/q16)
+    codes: torch.Tensor  # float32 for f32; the codes in memory otherwise (VALUE_KINDS[encoding].dtype; q4: int8, unpacked)
+    scales: torch.Tensor | None = None  # float32, one per block (the scaled encodings)
     block: int = 0  # elements per scale block; 0 = one block for the whole vector
 
     @property
@@ -104,6 +121,72 @@ def _scale_blocks(count: int, block: int) -> int:
     return 1 if block == 0 else (count + block - 1) // block
 
 
+def pack_nibbles(codes: torch.Tensor) -> torch.Tensor:
+    """Integer codes in [−8, 7] → uint8 bytes, two per byte (low nibble first, 4-bit two's complement);
+    an odd count leaves the last high nibble 0. ⌈n/2⌉ bytes for n codes."""
+    nibbles = codes.reshape(-1).to(torch.int16) & 0xF
+    if nibbles.numel() % 2:
+        nibbles = torch.cat([nibbles, nibbles.new_zeros(1)])
+    pairs = nibbles.view(-1, 2)
+    return (pairs[:, 0] | (pairs[:, 1] << 4)).to(torch.uint8)
+
+
+def unpack_nibbles(data: torch.Tensor, count: int) -> torch.Tensor:
+    """Inverse of :func:`pack_nibbles` for codes in [−7, 7]: `count` int8 codes; CodecError when `data` is not
+    ⌈count/2⌉ bytes, the padding nibble is not 0, or a code is −8."""
+    if data.numel() != (count + 1) // 2:
+        raise CodecError(f"{data.numel()} bytes of int4 codes for {count} values ({(count + 1) // 2} expected)")
+    as_int = data.reshape(-1).to(torch.int16)
+    nibbles = torch.stack([as_int & 0xF, as_int >> 4], dim=1).view(-1)
+    if count % 2 and int(nibbles[-1]) != 0:
+        raise CodecError("int4 codes: the padding nibble after an odd count is not 0")
+    nibbles = nibbles[:count]
+    if bool((nibbles == 0x8).any()):
+        raise CodecError(f"int4 code −8 outside the symmetric range [−{INT4_MAX}, {INT4_MAX}]")
+    return torch.where(nibbles > 7, nibbles - 16, nibbles).to(torch.int8)
+
+
+@dataclass(frozen=True)
+class ValueKind:
+    """One value encoding on the wire: the codes' dtype in memory, the bits each code takes on the wire, whether
+    float32 scales (one per block) follow the codes, and how codes become bytes and back."""
+
+    name: str
+    dtype: torch.dtype
+    bits: int
+    scaled: bool
+    pack: Callable[[torch.Tensor], torch.Tensor] = _as_bytes
+    #: (bytes, count) → codes; None: the bytes are the codes, viewed as `dtype`
+    unpack: Callable[[torch.Tensor, int], torch.Tensor] | None = None
+
+    @property
+    def bytes_per_value(self) -> float:
+        """Bytes one value's code takes (0.5 for q4), scales aside."""
+        return self.bits / 8
+
+    def code_bytes(self, count: int) -> int:
+        """Bytes of `count` codes on the wire (whole bytes: ⌈count · bits / 8⌉)."""
+        return (count * self.bits + 7) // 8
+
+    def section_bytes(self, count: int, block: int) -> int:
+        """Bytes a value array of `count` values with scale block `block` takes on the wire: codes plus scales."""
+        return self.code_bytes(count) + (SCALE_BYTES * _scale_blocks(count, block) if self.scaled else 0)
+
+    def from_wire(self, data: torch.Tensor, count: int) -> torch.Tensor:
+        """The codes in memory from their :meth:`code_bytes` bytes (uint8); CodecError if they are malformed."""
+        return data.view(self.dtype) if self.unpack is None else self.unpack(data, count)
+
+
+#: every value encoding, by the name the header gives it
+VALUE_KINDS: dict[str, ValueKind] = {kind.name: kind for kind in (
+    ValueKind(F32, torch.float32, 32, scaled=False),
+    ValueKind(Q8, torch.int8, 8, scaled=True),
+    ValueKind(Q16, torch.int16, 16, scaled=True),
+    ValueKind(F8, torch.float8_e4m3fn, 8, scaled=True),
+    ValueKind(Q4, torch.int8, 4, scaled=True, pack=pack_nibbles, unpack=unpack_nibbles),
+)}
+
+
 def serialize(tensors: list[EncodedTensor], index_bytes: dict[str, tuple[str, torch.Tensor]]) -> np.ndarray:
     """One payload (uint8 numpy array, on the host) for `tensors`; `index_bytes[name]` = a sparse tensor's
     (position encoding, its bytes). Sections are joined on the tensors' device, then copied once."""
@@ -119,9 +202,10 @@ def serialize(tensors: list[EncodedTensor], index_bytes: dict[str, tuple[str, to
             assert t.matrix is not None
             entry.update(m=list(t.matrix))
         for part in t.parts:
+            value_kind = VALUE_KINDS[part.encoding]
             entry["a"].append({"e": part.encoding, "n": part.count, "b": part.block})
-            sections.append(_as_bytes(part.codes))
-            if part.encoding != F32:
+            sections.append(value_kind.pack(part.codes))
+            if value_kind.scaled:
                 assert part.scales is not None
                 sections.append(_as_bytes(part.scales.to(torch.float32)))
         header.append(entry)
@@ -175,16 +259,19 @@ def parse(payload: np.ndarray | bytes) -> tuple[list[EncodedTensor], dict[str, t
                 encoding, count, block = str(part["e"]), int(part["n"]), int(part["b"])
                 if count < 0 or block < 0:
                     raise CodecError(f"negative size in tensor '{name}'")
-                if encoding == F32:
-                    codes, offset = _take(blob, offset, 4 * count, torch.float32, f"values of '{name}'")
-                    encoded.parts.append(Values(F32, codes))
-                elif encoding in _CODE_DTYPES:
-                    dtype = _CODE_DTYPES[encoding]
-                    codes, offset = _take(blob, offset, count * dtype.itemsize, dtype, f"codes of '{name}'")
-                    scales, offset = _take(blob, offset, 4 * _scale_blocks(count, block), torch.float32, f"scales of '{name}'")
-                    encoded.parts.append(Values(encoding, codes, scales, block))
-                else:
+                value_kind = VALUE_KINDS.get(encoding)
+                if value_kind is None:
                     raise CodecError(f"unknown value encoding {encoding!r} for '{name}'")
+                data, offset = _take(blob, offset, value_kind.code_bytes(count), torch.uint8, f"codes of '{name}'")
+                codes = value_kind.from_wire(data, count)
+                if not value_kind.scaled:
+                    encoded.parts.append(Values(encoding, codes))
+                    continue
+                scales, offset = _take(blob, offset, SCALE_BYTES * _scale_blocks(count, block), torch.float32,
+                                       f"scales of '{name}'")
+                if not bool((torch.isfinite(scales) & (scales >= 0)).all()):
+                    raise CodecError(f"scales of '{name}' are not all finite and non-negative")
+                encoded.parts.append(Values(encoding, codes, scales, block))
             tensors.append(encoded)
     except (KeyError, TypeError, ValueError, IndexError) as err:
         if isinstance(err, CodecError):
