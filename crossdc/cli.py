@@ -82,6 +82,15 @@ def _load_and_check(config_path: Path) -> Any:
     return config
 
 
+def _refuse_unbuilt_loop(config: Any) -> None:
+    """A strategy whose loop has no deployed form yet fails in one line, before anything starts."""
+    from crossdc.strategies.registry import strategy_class
+
+    if strategy_class(config.strategy.name).loop == "streaming":
+        fail(f"strategy '{config.strategy.name}': the streaming loop on Flower's Deployment Engine is not implemented "
+             "yet (run it in one process with crossdc.testing.InProcessFederation)")
+
+
 def _print_round(rows: list[dict[str, Any]], total: int) -> None:
     row = rows[-1]
     loss = "   -   " if row.get("val_loss") is None else f"{row['val_loss']:.4f}"
@@ -185,6 +194,7 @@ def run(
                                progress=None if as_json else (lambda rows: _print_round(rows, config.run.rounds)),
                                runs_root=runs_dir)
     else:
+        _refuse_unbuilt_loop(config)
         summary = _run_experiment(config, db_url, engine, port, runs_dir, quiet=as_json, superlink=superlink, detach=detach,
                                   superlink_ca=superlink_ca)
         if summary.get("detached"):
@@ -356,9 +366,10 @@ def strategies_list(as_json: bool = typer.Option(False, "--json")) -> None:
     if as_json:
         typer.echo(json.dumps(rows))
         return
+    width = max((len(str(row["name"])) for row in rows), default=0)
     for row in rows:
         params = ", ".join(f"{k}={v['default']}" for k, v in row["parameters"].items()) or "no parameters"
-        typer.echo(f"{row['name']:<12} {row['source']:<9} {row['summary']}  [{params}]")
+        typer.echo(f"{row['name']:<{width}} {row['source']:<9} {row['summary']}  [{params}]")
 
 
 @codecs_app.command("list")
@@ -371,9 +382,10 @@ def codecs_list(as_json: bool = typer.Option(False, "--json")) -> None:
     if as_json:
         typer.echo(json.dumps(rows))
         return
+    width = max((len(str(row["name"])) for row in rows), default=0)
     for row in rows:
         params = ", ".join(f"{k}={v['default']}" for k, v in row["parameters"].items()) or "no parameters"
-        typer.echo(f"{row['name']:<10} {row['stage']:<9} {row['source']:<9} {row['summary']}  [{params}]")
+        typer.echo(f"{row['name']:<{width}} {row['stage']:<9} {row['source']:<9} {row['summary']}  [{params}]")
 
 
 @app.command()

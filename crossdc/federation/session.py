@@ -136,9 +136,12 @@ class RoundSession:
         """One Flower reply (None: none came) through the update gate."""
         return judge_reply(reply, datacenter, self.weights, tau, pushed_at, timeout_reason, self.rules)
 
-    def judge_content(self, datacenter: str, content: RecordDict, tau: int, round_s: float) -> Judged:
-        """One reply's content through the update gate (the in-process driver's replies)."""
-        return judge_content(content, datacenter, self.weights, tau, round_s, self.rules)
+    def judge_content(self, datacenter: str, content: RecordDict, tau: int, round_s: float,
+                      reference: Mapping[str, np.ndarray] | None = None) -> Judged:
+        """One reply's content through the update gate (the in-process driver's replies), checked against the
+        global weights or, for one fragment's update, that fragment's (`reference`)."""
+        return judge_content(content, datacenter, self.weights if reference is None else reference, tau, round_s,
+                             self.rules)
 
     def reject_outliers(self, judged: dict[str, Judged]) -> None:
         """The round's norm-outlier check (``security.norm_rejection_factor``) over its accepted updates, in place."""
@@ -153,6 +156,18 @@ class RoundSession:
         mean = self.strategy.mean_update(updates)
         self.weights = self.strategy.aggregate(server_round, self.weights, updates, mean)
         return update_cosines(updates, mean)
+
+    def aggregate_fragment(self, names: Sequence[str],
+                           updates: Sequence[ClientUpdate]) -> tuple[dict[str, np.ndarray], dict[str, float]]:
+        """A streaming strategy's server step of one exchange: the aggregate of the fragment's accepted `updates`
+        computed once, the strategy's step of those tensors (``fragment_step``), the new values written into the
+        global weights. Returns the aggregate and each update's ``update_cosine``."""
+        fragment_step = getattr(self.strategy, "fragment_step", None)
+        if fragment_step is None:
+            raise StrategyError(f"strategy '{self.strategy.name}' has no fragment_step: it is not a streaming strategy")
+        mean = self.strategy.mean_update(updates)
+        self.weights.update(fragment_step({n: self.weights[n] for n in names}, mean))
+        return mean, update_cosines(updates, mean)
 
     def evaluate(self) -> tuple[float, float, float]:
         """(validation loss, accuracy, seconds) of the global weights on the workload's one validation set."""

@@ -56,7 +56,11 @@ def run_federation(grid: Grid, run_dir: RunDir) -> dict[str, Any]:
     runlog = RunLog(settings["db_url"], max_outage_s=float(settings.get("db_max_outage_s", 300.0)))
     try:
         config = parse_config(settings["config"])
-        if strategy_class(config.strategy.name).loop == "async":  # FedAsync, FedBuff: no rounds
+        loop = strategy_class(config.strategy.name).loop
+        if loop == "streaming":
+            raise FederationError(f"strategy '{config.strategy.name}': the streaming loop is not implemented yet on "
+                                  "Flower's Deployment Engine")
+        if loop == "async":  # FedAsync, FedBuff: no rounds
             from crossdc.federation.async_loop import run_async
 
             summary = run_async(grid, run_dir, run_id, config, runlog)

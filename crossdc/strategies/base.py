@@ -66,8 +66,10 @@ Arrays = Mapping[str, np.ndarray]
 
 #: the loops that can drive a strategy (:attr:`Strategy.loop`): ``sync`` — rounds, every datacenter trains from the
 #: same global weights and one aggregate ends the round (crossdc.federation.sync_loop); ``async`` — updates applied as
-#: they arrive, scaled by staleness (crossdc.federation.async_loop, :class:`crossdc.strategies.asynchronous.AsyncStrategy`)
-LOOPS: tuple[str, ...] = ("sync", "async")
+#: they arrive, scaled by staleness (crossdc.federation.async_loop, :class:`crossdc.strategies.asynchronous.AsyncStrategy`);
+#: ``streaming`` — the model synced fragment by fragment while the datacenters keep training
+#: (:class:`crossdc.strategies.streaming_diloco.StreamingDiLoCo`)
+LOOPS: tuple[str, ...] = ("sync", "async", "streaming")
 
 
 @dataclass(frozen=True)

@@ -49,9 +49,19 @@ class DiLoCo(Strategy):
 
     def aggregate(self, server_round: int, global_weights: Arrays, updates: Sequence[ClientUpdate],
                   mean: Arrays) -> dict[str, np.ndarray]:
+        return self.outer_step(global_weights, mean)
+
+    def outer_step(self, global_weights: Arrays, mean: Arrays) -> dict[str, np.ndarray]:
+        """One outer Nesterov step of the tensors in `global_weights` (all of the model's, or one fragment's) on
+        the pseudo-gradient −`mean`; each tensor's momentum is its own (a tensor stepped for the first time starts
+        from none), so fragments stepped at different times each keep theirs."""
         pseudo_gradient = negate(mean)
-        weights, self.momentum_buffer = nesterov_sgd_step(global_weights, pseudo_gradient, self.momentum_buffer,
-                                                          float(self.params["outer_lr"]), float(self.params["outer_momentum"]))
+        buffer = self.momentum_buffer or {}
+        names = list(global_weights)
+        previous = {n: buffer[n] for n in names} if all(n in buffer for n in names) else None
+        weights, stepped = nesterov_sgd_step(global_weights, pseudo_gradient, previous,
+                                             float(self.params["outer_lr"]), float(self.params["outer_momentum"]))
+        self.momentum_buffer = {**buffer, **stepped}
         self.outer_steps += 1
         self.last_step_l2 = l2_norm({n: weights[n].astype(np.float64) - global_weights[n] for n in weights})
         return weights

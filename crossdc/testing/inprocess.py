@@ -9,6 +9,12 @@ server step as :mod:`crossdc.federation.sync_loop`); each datacenter is a
 (:class:`crossdc.protocol.TrainRequest`) and runs :func:`~crossdc.clients.local_round.run_local_round` (exactly
 what the persistent trainer runs per round); its answer is packed as the ClientApp packs it
 (:func:`crossdc.protocol.reply_content`) and judged at the gate.
+A streaming strategy (``loop = "streaming"``, e.g. ``streaming-diloco``) runs with :meth:`InProcessFederation.run_round`
+too: each datacenter is then a :class:`~crossdc.clients.streaming_replica.StreamingReplica`, and a round is its H
+inner steps with the P fragment exchanges the schedule puts in it, met in the schedule's order (sends and merges at
+their steps; an exchange's updates pass the gate against the fragment's weights, its server step is
+:meth:`~crossdc.federation.session.RoundSession.aggregate_fragment`). Since a merge happens at its step whenever
+its update arrives, this gives the weights a deployed streaming run gives.
 What it leaves out: the Flower transport and its polling, worker groups (W = 1), deadlines and the run log.
 Bytes are counted as a run counts them: `bytes_down` is the serialised size of each datacenter's train message,
 `bytes_up` that of its reply (:func:`~crossdc.protocol.payload_bytes`).
@@ -16,6 +22,8 @@ Bytes are counted as a run counts them: `bytes_down` is the serialised size of e
 
 from __future__ import annotations
 
+import copy
+import math
 import time
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
@@ -28,7 +36,9 @@ from crossdc import protocol
 from crossdc.clients.local_round import run_local_round
 from crossdc.clients.local_training import LocalTrainer
 from crossdc.clients.state_store import DatacenterStateStore
+from crossdc.clients.streaming_replica import StreamingReplica
 from crossdc.compression.downlink import receive
+from crossdc.compression.uplink import encode_update
 from crossdc.experiment.builders import datacenter_seed
 from crossdc.experiment.config import (
     CompressionSection,
@@ -42,6 +52,8 @@ from crossdc.experiment.config import (
 from crossdc.federation.session import RoundSession
 from crossdc.protocol import TrainRequest, payload_bytes, reply_content
 from crossdc.strategies.base import ClientUpdate, Strategy
+from crossdc.strategies.fragments import MERGE, SEND
+from crossdc.strategies.streaming_diloco import StreamingDiLoCo
 from crossdc.workloads import Workload
 
 
@@ -60,6 +72,8 @@ class RoundResult:
     bytes_down: dict[str, int] = field(default_factory=dict)
     #: seconds of local training per datacenter (the trainer's `compute-s`)
     compute_s: dict[str, float] = field(default_factory=dict)
+    #: a streaming round: the bytes of each exchange's largest reply (the peak a fragment sync sends), by exchange
+    exchange_peak_bytes: dict[int, int] = field(default_factory=dict)
 
 
 class InProcessFederation:
@@ -82,6 +96,11 @@ class InProcessFederation:
                          for dc in self.datacenters}
         self.stores = {dc: DatacenterStateStore(state_root, run_id, dc) for dc in self.datacenters}
         self.server_round = 0
+        #: a streaming run's replicas (built at its first round), the server's result of each exchange (what a
+        #: merge needs) and the events of the schedule met so far
+        self.replicas: dict[str, StreamingReplica] | None = None
+        self.exchange_results: dict[int, dict[str, np.ndarray] | None] = {}
+        self.events_done: set[tuple[str, int]] = set()
 
     @classmethod
     def from_config(cls, config: ExperimentConfig, state_root: str | Path, run_id: str = "inprocess") -> InProcessFederation:
@@ -117,7 +136,12 @@ class InProcessFederation:
         return self.session.weights
 
     def run_round(self, participants: Sequence[str] | None = None) -> RoundResult:
-        """One round: every datacenter in `participants` (default: all) trains; the strategy aggregates the accepted."""
+        """One round: every datacenter in `participants` (default: all) trains; the strategy aggregates the accepted.
+        A streaming strategy's round: its H inner steps and P exchanges (every datacenter takes part)."""
+        if self.strategy.loop == "streaming":
+            if participants is not None:
+                raise ValueError("a streaming round has every datacenter take part (no participants list)")
+            return self._run_streaming_round()
         self.server_round += 1
         session, server_round = self.session, self.server_round
         tau = self.strategy.tau(server_round)
@@ -152,6 +176,73 @@ class InProcessFederation:
             session.aggregate(server_round, result.updates)
             result.strategy_metrics = self.strategy.round_metrics(server_round, result.updates)
         return result
+
+    def _run_streaming_round(self) -> RoundResult:
+        strategy = self.strategy
+        if not isinstance(strategy, StreamingDiLoCo):
+            raise TypeError(f"strategy '{strategy.name}' declares the streaming loop but is no StreamingDiLoCo")
+        plan = strategy.plan(self.weights)
+        schedule = plan.schedule
+        if self.replicas is None:  # each datacenter's own copy of the strategy: with eager, its own outer state
+            self.replicas = {dc: StreamingReplica(copy.deepcopy(strategy), self.trainers[dc], plan, self.weights,
+                                                  len(self.datacenters)) for dc in self.datacenters}
+        self.server_round += 1
+        server_round = self.server_round
+        result = RoundResult(server_round, schedule.steps_per_round)
+        round_end = server_round * schedule.steps_per_round
+        last = schedule.exchange(server_round, schedule.fragments - 1)
+        earliest = max(1, schedule.exchange(server_round, 0) - schedule.fragments)
+        for event in schedule.events(last, earliest):
+            if event.step > round_end or (event.kind, event.exchange) in self.events_done:
+                continue
+            self.events_done.add((event.kind, event.exchange))
+            for dc, replica in self.replicas.items():
+                steps = replica.advance(event.step)
+                if steps is not None:
+                    result.compute_s[dc] = result.compute_s.get(dc, 0.0) + steps.compute_s
+            if event.kind == SEND:
+                self._streaming_exchange(event.exchange, plan.fragments[event.fragment], schedule.spacing, result)
+            elif event.kind == MERGE:
+                for replica in self.replicas.values():
+                    needed = replica.needed_update(event.exchange)
+                    replica.merge(event.exchange, None if needed is None else self.exchange_results[needed])
+        return result
+
+    def _streaming_exchange(self, exchange: int, names: Sequence[str], spacing: int, result: RoundResult) -> None:
+        """Exchange k: every datacenter's fragment update through the gate, the server step, what the merges need."""
+        assert self.replicas is not None
+        session = self.session
+        reference = {n: self.weights[n] for n in names}
+        judged = {}
+        for dc, replica in self.replicas.items():
+            sent = replica.send(exchange)
+            metrics = {protocol.NUM_EXAMPLES: sent.num_examples, protocol.TRAIN_LOSS: sent.mean_loss,
+                       protocol.COMPUTE_S: sent.compute_s}
+            codecs = self.config.compression.codecs
+            if codecs:  # the fragment's update through the run's codec pipeline, its state in the datacenter's store
+                payload, codec_metrics = encode_update(sent.delta, codecs, exchange, self.seeds[dc], self.stores[dc])
+                answer: dict[str, Any] = {"payload": payload, "metrics": {**metrics, **codec_metrics}}
+            else:
+                answer = {"delta": sent.delta, "metrics": metrics}
+            content = reply_content({**answer, "extras": {}})
+            judged[dc] = session.judge_content(dc, content, spacing, math.inf, reference=reference)
+            size = int(judged[dc].record.bytes_up or 0)
+            result.bytes_up[dc] = result.bytes_up.get(dc, 0) + size
+            result.exchange_peak_bytes[exchange] = max(result.exchange_peak_bytes.get(exchange, 0), size)
+        session.reject_outliers(judged)
+        accepted = []
+        for dc, outcome in judged.items():
+            if outcome.update is None:
+                result.rejected[dc] = str(outcome.record.reason)
+            else:
+                accepted.append(outcome.update)
+        result.updates.extend(accepted)
+        eager = bool(self.strategy.params["eager"])
+        if accepted:
+            mean, _ = session.aggregate_fragment(names, accepted)
+            self.exchange_results[exchange] = mean if eager else {n: self.weights[n].copy() for n in names}
+        else:  # nothing to step with: the fragment stays as it is
+            self.exchange_results[exchange] = (None if eager else {n: self.weights[n].copy() for n in names})
 
     def evaluate(self) -> tuple[float, float]:
         """(validation loss, accuracy) of the current global weights on the workload's one validation set."""

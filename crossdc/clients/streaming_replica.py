@@ -1,0 +1,124 @@
+"""One datacenter's side of a streaming run: the replica that trains on and sends and merges fragments on schedule.
+
+Promises (the datacenter half of :mod:`crossdc.strategies.streaming_diloco`'s contract): :meth:`StreamingReplica.advance`
+runs the inner steps up to a step of the schedule (the inner optimizer and the data order carry on, as in one long
+call); :meth:`~StreamingReplica.send` returns a fragment's update Δ = θ_local − θ_ref at that step;
+:meth:`~StreamingReplica.merge` applies an exchange's outer update to the fragment as it is at the merge step.
+Whatever drives it (the in-process driver step by step, the persistent trainer while its exchanges travel), the
+same schedule gives the same weights: nothing depends on when an update arrived, only on the step it is merged at.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+
+from crossdc.clients.local_training import LocalTrainer, StepsResult
+from crossdc.strategies.fragments import eager_outer_gradient, fragment_of, mix
+from crossdc.strategies.streaming_diloco import StreamingDiLoCo, StreamingPlan
+
+Arrays = Mapping[str, np.ndarray]
+
+
+@dataclass(frozen=True)
+class SentUpdate:
+    """A fragment's update as sent, with what the replica did since its previous send: the examples and mean loss of
+    those inner steps and their compute seconds (the reply's metrics)."""
+
+    exchange: int
+    delta: dict[str, np.ndarray]
+    num_examples: int
+    mean_loss: float
+    compute_s: float
+
+
+class StreamingReplica:
+    """A datacenter's model replica under a streaming schedule (see the module docstring).
+
+    `strategy` is the datacenter's own instance of the run's strategy: with ``eager`` on, its outer optimizer
+    state is this datacenter's copy. `datacenters` N gives the eager weight w = 1/N."""
+
+    def __init__(self, strategy: StreamingDiLoCo, trainer: LocalTrainer, plan: StreamingPlan, weights: Arrays,
+                 datacenters: int) -> None:
+        self.strategy, self.trainer, self.plan = strategy, trainer, plan
+        self.eager = bool(strategy.params["eager"])
+        self.alpha = float(strategy.params["alpha"])
+        self.weight = 1.0 / datacenters
+        trainer.set_weights(weights)
+        #: θ_ref: each fragment's global values as last merged (the pseudo-gradient is taken against them)
+        self.reference: dict[str, np.ndarray] = {n: np.asarray(v, np.float32).copy() for n, v in weights.items()}
+        #: inner steps run so far
+        self.step = 0
+        #: the updates sent and not yet merged, by exchange; with eager, each fragment's previous one too
+        self.sent: dict[int, dict[str, np.ndarray]] = {}
+        self.previous_sent: dict[int, dict[str, np.ndarray]] = {}
+        #: since the last send: examples, steps, summed step losses, compute seconds
+        self._examples = self._steps = 0
+        self._loss_sum = self._compute_s = 0.0
+
+    def advance(self, to_step: int, **hooks: Any) -> StepsResult | None:
+        """Run the inner steps up to `to_step` (none if it is reached already; ValueError to go back)."""
+        if to_step < self.step:
+            raise ValueError(f"the replica is at step {self.step}, cannot go back to {to_step}")
+        if to_step == self.step:
+            return None
+        result = self.trainer.train_steps(to_step - self.step, **hooks)
+        self.step = to_step
+        self._examples += result.num_examples
+        self._steps += result.steps
+        self._loss_sum += result.mean_loss * result.steps
+        self._compute_s += result.compute_s
+        return result
+
+    def send(self, exchange: int) -> SentUpdate:
+        """The update Δ = θ_local − θ_ref of exchange k's fragment, at the send step (ValueError elsewhere)."""
+        schedule = self.plan.schedule
+        if self.step != schedule.send_step(exchange):
+            raise ValueError(f"exchange {exchange} is sent after step {schedule.send_step(exchange)}, the replica is at "
+                             f"step {self.step}")
+        _, fragment = schedule.locate(exchange)
+        local = self.trainer.get_weights()
+        delta = {n: (local[n] - self.reference[n]).astype(np.float32) for n in self.plan.fragments[fragment]}
+        self.sent[exchange] = delta
+        sent = SentUpdate(exchange, delta, self._examples, self._loss_sum / self._steps if self._steps else float("nan"),
+                          self._compute_s)
+        self._examples = self._steps = 0
+        self._loss_sum = self._compute_s = 0.0
+        return sent
+
+    def merge(self, exchange: int, update: Arrays | None) -> None:
+        """Merge exchange k's outer update at its merge step: `update` is the fragment's new global values (eager
+        off), or the mean update of the fragment's previous exchange (eager on; None before its first)."""
+        schedule = self.plan.schedule
+        if self.step != schedule.merge_step(exchange):
+            raise ValueError(f"exchange {exchange} is merged after step {schedule.merge_step(exchange)}, the replica is "
+                             f"at step {self.step}")
+        _, fragment = schedule.locate(exchange)
+        names = self.plan.fragments[fragment]
+        own = self.sent.pop(exchange)
+        if self.eager:
+            if update is None:
+                stand_in = eager_outer_gradient(None, own, None, self.weight)
+            else:
+                stand_in = eager_outer_gradient(update, own, self.previous_sent[fragment], self.weight)
+            self.previous_sent[fragment] = own
+            new_global = self.strategy.fragment_step(fragment_of(self.reference, names), stand_in)
+        else:
+            if update is None:
+                raise ValueError(f"exchange {exchange}: the merge needs the fragment's new global values")
+            new_global = {n: np.asarray(update[n], np.float32) for n in names}
+        local = self.trainer.get_weights()
+        local.update(mix(new_global, fragment_of(local, names), self.alpha))
+        self.trainer.set_weights(local)
+        self.reference.update({n: v.copy() for n, v in new_global.items()})
+
+    def needed_update(self, exchange: int) -> int | None:
+        """The exchange whose server result the merge of `exchange` needs: itself (eager off), the fragment's
+        previous exchange (eager on; None in the first round)."""
+        if not self.eager:
+            return exchange
+        previous = exchange - self.plan.schedule.fragments
+        return previous if previous >= 1 else None
