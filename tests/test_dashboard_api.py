@@ -48,7 +48,7 @@ CONFIG = REPO / "examples" / "synthetic-2dc.toml"
 LONG_ROUNDS, LONG_DCS = 23, ("dc-a", "dc-b", "dc-c")
 ROUND_FIELDS = {"round", "tau", "val_loss", "val_accuracy", "bytes_up", "bytes_down", "bytes_up_raw", "wall_s"}
 DC_ROUND_FIELDS = {"round", "datacenter", "status", "reason", "bytes_up", "bytes_down", "bytes_up_raw", "compute_s",
-                   "comm_s", "overhead_s", "train_loss", "num_examples", "drift_l2", "update_cosine", "staleness",
+                   "comm_s", "overhead_s", "idle_s", "train_loss", "num_examples", "drift_l2", "update_cosine", "staleness",
                    "round_s", "comm_source", "link_bytes_up", "link_bytes_down"}
 
 

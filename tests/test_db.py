@@ -50,7 +50,7 @@ EXPECTED_COLUMNS: dict[str, set[str]] = {
     },
     "datacenter_rounds": {
         "id", "run_id", "round", "datacenter", "status", "reason", "bytes_up", "bytes_down",
-        "bytes_up_raw", "compute_s", "comm_s", "overhead_s", "round_s", "comm_source",
+        "bytes_up_raw", "compute_s", "comm_s", "overhead_s", "idle_s", "round_s", "comm_source",
         "link_bytes_up", "link_bytes_down",
         "train_loss", "num_examples", "drift_l2", "update_cosine", "staleness",
     },

@@ -53,6 +53,8 @@ def test_deployment_run_logs_every_round_to_sql(deployment_run: dict) -> None:
         assert row["compute_s"] > 0 and row["overhead_s"] >= 0
         assert row["comm_source"] == COMM_SOURCE and 0 < row["comm_s"] < row["round_s"]
         assert row["round_s"] == pytest.approx(row["compute_s"] + row["comm_s"] + row["overhead_s"], rel=1e-6)
+        # no overlap: the trainer waits for everything that is not its compute
+        assert row["idle_s"] == pytest.approx(row["round_s"] - row["compute_s"], rel=1e-6)
         assert row["drift_l2"] > 0 and -1 <= row["update_cosine"] <= 1
         assert row["num_examples"] == row_tau(rounds, row["round"]) * 32
     for r in rounds:

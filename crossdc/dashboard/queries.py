@@ -46,7 +46,7 @@ ROUND_FIELDS: tuple[str, ...] = (
 )
 DATACENTER_ROUND_FIELDS: tuple[str, ...] = (
     "round", "datacenter", "status", "reason", "bytes_up", "bytes_down", "bytes_up_raw",
-    "compute_s", "comm_s", "overhead_s", "round_s", "comm_source", "link_bytes_up", "link_bytes_down",
+    "compute_s", "comm_s", "overhead_s", "idle_s", "round_s", "comm_source", "link_bytes_up", "link_bytes_down",
     "train_loss", "num_examples", "drift_l2", "update_cosine", "staleness",
 )
 EVENT_FIELDS: tuple[str, ...] = ("id", "at", "round", "kind", "datacenter", "detail")

@@ -148,6 +148,8 @@ class DatacenterRound(Base):
     compute_s: Mapped[float | None] = mapped_column(Float)
     comm_s: Mapped[float | None] = mapped_column(Float)
     overhead_s: Mapped[float | None] = mapped_column(Float)
+    # The time the datacenter's trainer waited for the WAN or the coordinator (revision 0006).
+    idle_s: Mapped[float | None] = mapped_column(Float, info={"minimum": 0})
     round_s: Mapped[float | None] = mapped_column(Float)
     # How comm_s was obtained, e.g. "relay" (measured at the datacenter's link relay).
     comm_source: Mapped[str | None] = mapped_column(Text)

@@ -77,7 +77,7 @@ TIMEOUT_GRACE_S = 5.0
 #: how often the loop looks for datacenters that came back under a new node (also at every version)
 REDISCOVER_EVERY_S = 10.0
 
-_SUMMED = ("bytes_up", "bytes_down", "bytes_up_raw", "compute_s", "comm_s", "overhead_s", "round_s", "link_bytes_up",
+_SUMMED = ("bytes_up", "bytes_down", "bytes_up_raw", "compute_s", "comm_s", "overhead_s", "idle_s", "round_s", "link_bytes_up",
            "link_bytes_down", "num_examples")
 _LARGEST = ("staleness", "drift_l2")
 

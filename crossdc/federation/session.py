@@ -210,13 +210,16 @@ class RoundSession:
 
     def finish_record(self, datacenter: str, outcome: Judged, pushed_at: float, **columns: Any) -> DatacenterRoundRecord:
         """The datacenter-round record of a judged reply with `columns` set (bytes_down, staleness, ...), the
-        link's measurements over its round trip, and its overhead (round − compute − comm) when it is ok."""
+        link's measurements over its round trip, and, when it is ok, its overhead (round − compute − comm) and its
+        trainer's idle time (round − compute: a round loop that does not overlap waits for everything else)."""
         record = outcome.record.replace(**columns)
         link = self.links.get(datacenter)
         if record.round_s is not None and link is not None:
             record = record.replace(**link_measurements(link, pushed_at, pushed_at + record.round_s, self.link_source))
         if record.status == "ok" and record.round_s is not None and record.compute_s is not None:
-            record = record.replace(overhead_s=record.round_s - record.compute_s - (record.comm_s or 0.0))
+            # the trainer computes only while it trains (no overlap): the rest of the round it waits
+            record = record.replace(overhead_s=record.round_s - record.compute_s - (record.comm_s or 0.0),
+                                    idle_s=max(0.0, record.round_s - record.compute_s))
         return record
 
     def log_round(self, made: int, tau: int, records: Sequence[DatacenterRoundRecord], bytes_down: int, wall_s: float,

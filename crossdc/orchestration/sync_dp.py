@@ -159,7 +159,8 @@ def _log_round(config: ExperimentConfig, runlog: RunLog, run_id: str, server_rou
         runlog.log_datacenter_round(
             run_id=run_id, round=server_round, datacenter=dc.name, status="ok", bytes_up=moved["up"], bytes_down=moved["down"],
             bytes_up_raw=moved["up"], compute_s=compute_s, comm_s=comm_s, round_s=round_s,
-            overhead_s=round_s - compute_s - comm_s, comm_source=EMULATOR_NAMESPACES, link_bytes_up=moved["up"],
+            overhead_s=round_s - compute_s - comm_s, idle_s=max(0.0, round_s - compute_s), comm_source=EMULATOR_NAMESPACES,
+            link_bytes_up=moved["up"],
             link_bytes_down=moved["down"], train_loss=float(mine[0]["train_loss"]),
             num_examples=int(mine[0]["steps"]) * config.workload.batch_size)
         bytes_up += moved["up"]
