@@ -82,15 +82,6 @@ def _load_and_check(config_path: Path) -> Any:
     return config
 
 
-def _refuse_unbuilt_loop(config: Any) -> None:
-    """A strategy whose loop has no deployed form yet fails in one line, before anything starts."""
-    from crossdc.strategies.registry import strategy_class
-
-    if strategy_class(config.strategy.name).loop == "streaming":
-        fail(f"strategy '{config.strategy.name}': the streaming loop on Flower's Deployment Engine is not implemented "
-             "yet (run it in one process with crossdc.testing.InProcessFederation)")
-
-
 def _print_round(rows: list[dict[str, Any]], total: int) -> None:
     row = rows[-1]
     loss = "   -   " if row.get("val_loss") is None else f"{row['val_loss']:.4f}"
@@ -194,7 +185,6 @@ def run(
                                progress=None if as_json else (lambda rows: _print_round(rows, config.run.rounds)),
                                runs_root=runs_dir)
     else:
-        _refuse_unbuilt_loop(config)
         summary = _run_experiment(config, db_url, engine, port, runs_dir, quiet=as_json, superlink=superlink, detach=detach,
                                   superlink_ca=superlink_ca)
         if summary.get("detached"):

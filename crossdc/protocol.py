@@ -52,7 +52,11 @@ DOWNLINK_VERSION = "downlink-version"
 DOWNLINK_KEY = "downlink"
 #: the record names the protocol itself uses: no strategy tensor group may take one (nor a name that is some
 #: group's layout record, ``<group>-layout``, see :func:`layout_key`)
-RESERVED_RECORDS = frozenset({ARRAYS_KEY, LAYOUT_KEY, CONFIG_KEY, METRICS_KEY, COMPRESSED_KEY, DOWNLINK_KEY})
+#: record of a streaming message: the server's result of an earlier exchange (the fragment's new global values, or
+#: with eager updates its mean update)
+FRAGMENT_UPDATE_KEY = "fragment-update"
+RESERVED_RECORDS = frozenset({ARRAYS_KEY, LAYOUT_KEY, CONFIG_KEY, METRICS_KEY, COMPRESSED_KEY, DOWNLINK_KEY,
+                              FRAGMENT_UPDATE_KEY})
 #: Flower Array serialisation type of a codec payload: the bytes as they are
 PAYLOAD_STYPE = "crossdc.payload"
 
@@ -107,9 +111,20 @@ CLIENTAPP_S = "clientapp-s"
 CODEC_S = "codec-s"
 ENERGY_KEPT = "energy-kept"
 PAYLOAD_BYTES = "payload-bytes"
+#: a streaming exchange: seconds the trainer waited for an update since its previous send, and the inner step after
+#: which the update was taken
+IDLE_S = "idle-s"
+SENT_STEP = "sent-step"
+
+# ---------------------------------------------------------------- streaming exchanges (coordinator → datacenter)
+#: config entry of a streaming message: the exchange it asks for (its round and fragment follow from the schedule)
+EXCHANGE = "crossdc-exchange"
+#: config entry: the exchange whose server result the message carries (in record FRAGMENT_UPDATE_KEY)
+UPDATE_OF = "crossdc-update-of"
 
 
 #: the trainer channel's operations
+STREAM_OP = "stream"
 TRAIN_OP = "train"
 PING_OP = "ping"
 STOP_OP = "stop"
@@ -172,6 +187,64 @@ class TrainRequest:
             raise ProtocolError(f"a train request needs {err.args[0]!r}") from None
         except (TypeError, ValueError) as err:
             raise ProtocolError(f"malformed train request: {err}") from None
+
+
+@dataclass(frozen=True)
+class StreamRequest:
+    """What the ClientApp hands the persistent trainer for one message of a streaming run: the exchange k it asks
+    for, the run's initial weights (the first exchange: the trainer starts training on them), and the server's
+    result of an earlier exchange (`update_of`, its tensors in `update`) for the trainer to merge on schedule."""
+
+    run_id: str
+    exchange: int
+    tau: int
+    weights: Mapping[str, np.ndarray] | None = None
+    update_of: int | None = None
+    update: Mapping[str, np.ndarray] | None = None
+    attempt: int = 1
+
+    @classmethod
+    def from_message(cls, content: RecordDict) -> StreamRequest:
+        """The request for a streaming message's content (ProtocolError naming what is missing or malformed)."""
+        config = content.config_records[CONFIG_KEY]
+        update_of = config_int(config, UPDATE_OF) if UPDATE_OF in config else None
+        try:
+            weights = decode_tensors(content) if has_tensors(content, ARRAYS_KEY) else None
+            update = decode_tensors(content, FRAGMENT_UPDATE_KEY) if has_tensors(content, FRAGMENT_UPDATE_KEY) else None
+        except PayloadError as err:
+            raise ProtocolError(f"streaming message: {err}") from None
+        return cls(run_id=str(config[RUN_ID]), exchange=config_int(config, EXCHANGE), tau=config_int(config, TAU),
+                   weights=weights, update_of=update_of, update=update,
+                   attempt=config_int(config, ATTEMPT) if ATTEMPT in config else 1)
+
+    def to_dict(self) -> dict[str, Any]:
+        """The request as sent over the trainer's local channel (``{"op": "stream", ...}``)."""
+        return {"op": STREAM_OP, "run_id": self.run_id, "exchange": self.exchange, "tau": self.tau,
+                "weights": self.weights, "update_of": self.update_of, "update": self.update, "attempt": self.attempt}
+
+    @classmethod
+    def from_dict(cls, request: Mapping[str, Any]) -> StreamRequest:
+        """The request :meth:`to_dict` made; ProtocolError naming what is missing or malformed."""
+        try:
+            update_of = request.get("update_of")
+            return cls(run_id=str(request["run_id"]), exchange=int(request["exchange"]), tau=int(request["tau"]),
+                       weights=request.get("weights"), update_of=None if update_of is None else int(update_of),
+                       update=request.get("update"), attempt=int(request.get("attempt", 1)))
+        except KeyError as err:
+            raise ProtocolError(f"a stream request needs {err.args[0]!r}") from None
+        except (TypeError, ValueError) as err:
+            raise ProtocolError(f"malformed stream request: {err}") from None
+
+
+def stream_config(*, exchange: int, server_round: int, tau: int, run_id: str, run_dir: str, datacenter: str,
+                  update_of: int | None, attempt: int | None = None) -> dict[str, Any]:
+    """The config entries of a streaming message (its tensors: the weights, or the result of `update_of`)."""
+    cfg = train_config(server_round=server_round, tau=tau, run_id=run_id, run_dir=run_dir, datacenter=datacenter,
+                       attempt=attempt)
+    cfg[EXCHANGE] = exchange
+    if update_of is not None:
+        cfg[UPDATE_OF] = update_of
+    return cfg
 
 
 def config_int(config: ConfigRecord, key: str) -> int:

@@ -17,7 +17,7 @@ from crossdc.clients import local_training
 from crossdc.db.records import DatacenterRoundRecord as Record
 from crossdc.experiment.builders import build_strategy, build_workload
 from crossdc.experiment.config import ConfigError, parse_config
-from crossdc.federation.async_loop import merge_rows
+from crossdc.federation.session import merge_rows
 from crossdc.strategies import staleness as st
 from crossdc.strategies.base import ClientUpdate, RunInfo, StrategyError
 from crossdc.strategies.fedasync import FedAsync, fedasync_step

@@ -153,9 +153,9 @@ CASES: dict[str, tuple[str | None, list[str], tuple[str, ...]]] = {
     "invalid-toml": (BASE.replace("[run]", "[run"), [], ("not valid TOML",)),
     "not-implemented": (BASE.replace('name = "fedavg"', 'name = "fedasync"') + '\n[checkpoint]\nevery_rounds = 5\n', [],
                         ("'checkpoint.every_rounds'", "not implemented yet", "fedasync")),
-    "streaming-not-deployed": (BASE.replace('name = "fedavg"\ntau = 1', 'name = "streaming-diloco"\ntau = 4')
-                               .replace('optimizer = "sgd"', 'optimizer = "adamw"'), [],
-                               ("strategy 'streaming-diloco'", "Deployment Engine is not implemented yet")),
+    "streaming-checkpoints": (BASE.replace('name = "fedavg"\ntau = 1', 'name = "streaming-diloco"\ntau = 4')
+                              .replace('optimizer = "sgd"', 'optimizer = "adamw"') + '\n[checkpoint]\nevery_rounds = 2\n', [],
+                              ("'checkpoint.every_rounds'", "not implemented yet", "streaming-diloco")),
     "streaming-overlap": (BASE.replace('name = "fedavg"\ntau = 1', 'name = "streaming-diloco"\ntau = 4\nparams = { overlap = 3 }')
                           .replace('optimizer = "sgd"', 'optimizer = "adamw"'), [],
                           ("strategy 'streaming-diloco'", "overlap 3 must be within [0, H/P = 2]")),

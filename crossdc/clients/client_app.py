@@ -20,7 +20,7 @@ from flwr.clientapp import ClientApp
 from crossdc import protocol as proto
 from crossdc.clients.channel import call_trainer
 from crossdc.experiment.rundir import RunDir
-from crossdc.protocol import CONFIG_KEY, TrainRequest, reply_content
+from crossdc.protocol import CONFIG_KEY, StreamRequest, TrainRequest, reply_content
 
 app = ClientApp()
 
@@ -56,11 +56,13 @@ def hello(msg: Message, context: Context) -> Message:
 @app.train()
 def train(msg: Message, context: Context) -> Message:
     """Run the round's local steps on the datacenter's trainer and return the update and the strategy's extra
-    tensor groups (the contract is in crossdc.strategies.base; this adapter knows no strategy)."""
+    tensor groups (the contract is in crossdc.strategies.base; this adapter knows no strategy). A streaming run's
+    message instead hands the trainer an exchange's result and returns the update of the exchange it asks for."""
     started = time.perf_counter()
     config = msg.content[CONFIG_KEY]
     datacenter = str(config[proto.DATACENTER])
-    request = TrainRequest.from_message(msg.content)
+    # a streaming run's message asks for one exchange; any other, for one round's local steps
+    request = (StreamRequest if proto.EXCHANGE in config else TrainRequest).from_message(msg.content)
     if proto.NODE_SERVICE in context.node_config:  # production: the node service knows where the run's trainer is
         socket_path = _node_service(context, {"run_id": request.run_id})["socket"]
         authkey_file = context.node_config[proto.NODE_AUTHKEY_FILE]

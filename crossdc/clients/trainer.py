@@ -30,7 +30,7 @@ import sys
 import time
 from multiprocessing.connection import Listener
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 import torch
 import torch.distributed as dist
@@ -38,17 +38,23 @@ import torch.distributed as dist
 from crossdc import protocol as proto
 from crossdc.clients.channel import serve_requests
 from crossdc.clients.local_round import run_local_round
+from crossdc.clients.streaming_replica import SentUpdate, StreamingReplica
+from crossdc.clients.streaming_worker import StreamingFailed, StreamingWorker
 from crossdc.clients.worker import GROUP_TIMEOUT, backend, build_rank, use_device
 from crossdc.compression.downlink import DownlinkOutOfSync, receive
+from crossdc.compression.uplink import encode_update
 from crossdc.compression.wire import CodecError
 from crossdc.experiment.builders import datacenter_seed
 from crossdc.experiment.config import parse_config
 from crossdc.experiment.processes import die_with_parent
 from crossdc.experiment.rundir import RunDir
-from crossdc.protocol import ProtocolError, TrainRequest
+from crossdc.protocol import ProtocolError, StreamRequest, TrainRequest
 from crossdc.strategies.base import StrategyError
+from crossdc.strategies.streaming_diloco import StreamingDiLoCo
 
 log = logging.getLogger("crossdc.trainer")
+
+RequestT = TypeVar("RequestT", TrainRequest, StreamRequest)
 
 class DatacenterTrainer:
     """Handles requests for one datacenter of one run, as rank 0 of its worker group.
@@ -65,7 +71,9 @@ class DatacenterTrainer:
         config = parse_config(settings["config"])
         if datacenter not in config.datacenter_names:
             raise ValueError(f"datacenter '{datacenter}' is not in the run's config ({', '.join(config.datacenter_names)})")
-        self.run_dir, self.run_id, self.datacenter = run_dir, settings["run_id"], datacenter
+        self.run_dir, self.run_id, self.datacenter, self.config = run_dir, settings["run_id"], datacenter, config
+        #: a streaming run's replica, training in its own thread from the run's first message on
+        self.streaming: StreamingWorker | None = None
         self.world = next(dc.workers for dc in config.datacenters if dc.name == datacenter)
         self.lr = config.workload.lr
         self.codecs, self.codec_seed = config.compression.codecs, datacenter_seed(config, datacenter)
@@ -153,15 +161,65 @@ class DatacenterTrainer:
                     "run_id": self.run_id, "last_round": self.last_round, "group_start_s": self.group_start_s}
         if op == proto.TRAIN_OP:
             return self._train(request)
+        if op == proto.STREAM_OP:
+            return self._stream(request)
         return {"ok": False, "error": f"unknown trainer op {op!r}"}
 
-    def _train(self, message: dict[str, Any]) -> dict[str, Any]:
+    def _stream(self, message: dict[str, Any]) -> dict[str, Any]:
+        """One message of a streaming run: the first starts the replica's thread on the run's initial weights; each
+        hands over the server's result it carries and waits for the update of the exchange it asks for."""
+        request, refusal = self._read(StreamRequest, message)
+        if refusal is not None:
+            return refusal
+        if self.world > 1:
+            return {"ok": False, "error": f"{self.datacenter}: a streaming run with workers > 1 in a datacenter is not "
+                                          "implemented yet"}
+        strategy = self.strategy
+        if not isinstance(strategy, StreamingDiLoCo):
+            return {"ok": False, "error": f"{self.datacenter}: strategy '{strategy.name}' does not stream"}
+        if self.streaming is None:
+            if request.weights is None:
+                return {"ok": False, "error": f"{self.datacenter}: the first message of a streaming run must carry the "
+                                              "initial weights"}
+            try:
+                plan = strategy.plan(request.weights)
+            except StrategyError as err:
+                return {"ok": False, "error": f"{self.datacenter}: {err}".splitlines()[0]}
+            replica = StreamingReplica(strategy, self.trainer, plan, request.weights, len(self.config.datacenters))
+            self.streaming = StreamingWorker(replica, self.config.run.rounds * plan.schedule.fragments, self._sent_answer)
         try:
-            request = TrainRequest.from_dict(message)
+            answer = self.streaming.exchange(request.exchange, request.update_of, request.update,
+                                             timeout_s=self.config.run.round_timeout_s)
+        except (StreamingFailed, TimeoutError) as err:
+            return {"ok": False, "error": f"{self.datacenter}: {err}".splitlines()[0]}
+        answer["metrics"].update({proto.TRAINER_PID: os.getpid(), proto.WORKERS: self.world,
+                                  proto.WORKER_PIDS: self.worker_pids()})
+        return {"ok": True, **answer}
+
+    def _sent_answer(self, sent: SentUpdate) -> dict[str, Any]:
+        """A fragment's update as a reply carries it: through the run's codecs (their state in the store), with the
+        metrics of the inner steps since the previous send."""
+        metrics: dict[str, Any] = {proto.NUM_EXAMPLES: sent.num_examples, proto.TRAIN_LOSS: sent.mean_loss,
+                                   proto.COMPUTE_S: sent.compute_s}
+        if self.codecs:
+            payload, codec_metrics = encode_update(sent.delta, self.codecs, sent.exchange, self.codec_seed, self.store)
+            return {"payload": payload, "metrics": {**metrics, **codec_metrics}}
+        return {"delta": sent.delta, "metrics": metrics}
+
+    def _read(self, kind: type[RequestT], message: dict[str, Any]) -> tuple[RequestT, None] | tuple[None, dict[str, Any]]:
+        """The request `message` holds, or the refusal to answer (malformed, or for another run)."""
+        try:
+            request = kind.from_dict(message)
         except ProtocolError as err:
-            return {"ok": False, "error": f"{self.datacenter}: {err}"}
+            return None, {"ok": False, "error": f"{self.datacenter}: {err}"}
         if request.run_id != self.run_id:
-            return {"ok": False, "error": f"trainer serves run {self.run_id}, request is for run {request.run_id}"}
+            return None, {"ok": False, "error": f"trainer serves run {self.run_id}, request is for run {request.run_id}"}
+        return request, None
+
+    def _train(self, message: dict[str, Any]) -> dict[str, Any]:
+        request, refusal = self._read(TrainRequest, message)
+        if refusal is not None:
+            return refusal
         server_round, tau, attempt = request.round, request.tau, request.attempt
         if attempt > self.attempt:  # a resumed run: continue from the state of the checkpoint it resumed from
             if request.resume_round is not None:

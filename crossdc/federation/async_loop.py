@@ -62,7 +62,7 @@ from crossdc.db.runlog import RunLog
 from crossdc.experiment.config import ExperimentConfig
 from crossdc.experiment.rundir import RunDir
 from crossdc.federation.grid_io import POLL_INTERVAL_S, FederationError, Reply, pull_replies, rediscover
-from crossdc.federation.session import update_cosines
+from crossdc.federation.session import merge_rows, update_cosines
 from crossdc.federation.sync_loop import MAX_ROUNDS_WITHOUT_UPDATES, start_session
 from crossdc.protocol import payload_bytes
 from crossdc.strategies.asynchronous import AsyncStrategy, Submitted
@@ -77,11 +77,6 @@ TIMEOUT_GRACE_S = 5.0
 #: how often the loop looks for datacenters that came back under a new node (also at every version)
 REDISCOVER_EVERY_S = 10.0
 
-_SUMMED = ("bytes_up", "bytes_down", "bytes_up_raw", "compute_s", "comm_s", "overhead_s", "idle_s", "round_s", "link_bytes_up",
-           "link_bytes_down", "num_examples")
-_LARGEST = ("staleness", "drift_l2")
-
-
 @dataclass(frozen=True)
 class Task:
     """One piece of work in flight: a datacenter training from one global version."""
@@ -93,35 +88,6 @@ class Task:
     pushed_at: float  # wall-clock (time.time), for durations only
     bytes_down: int
     downlink_version: int | None = None  # the downlink reference version it was sent (downlink codecs only)
-
-
-def merge_rows(rows: Sequence[DatacenterRoundRecord]) -> DatacenterRoundRecord:
-    """One datacenter-round record for several replies of one datacenter at one version (see the module doc):
-    status ok if any was, reasons joined, counts and seconds summed, train loss example-weighted over the replies
-    that kept their example count (else their plain mean), staleness and drift the largest, update cosine the mean."""
-    if len(rows) == 1:
-        return rows[0]
-    merged: dict[str, Any] = {"status": "ok" if any(r.status == "ok" for r in rows) else rows[-1].status}
-    reasons = list(dict.fromkeys(r.reason for r in rows if r.reason))
-    if reasons:
-        merged["reason"] = "; ".join(reasons)[:500]
-    for keys, combine in ((_SUMMED, sum), (_LARGEST, max)):
-        for key in keys:
-            values = [getattr(r, key) for r in rows if getattr(r, key) is not None]
-            if values:
-                merged[key] = combine(values)
-    losses = [(r.train_loss, r.num_examples) for r in rows if r.train_loss is not None and r.num_examples]
-    if not losses:  # only discarded or rejected updates (their example counts are not kept): a plain mean
-        losses = [(r.train_loss, 1) for r in rows if r.train_loss is not None]
-    if losses:
-        merged["train_loss"] = sum(loss * n for loss, n in losses) / sum(n for _, n in losses)
-    cosines = [r.update_cosine for r in rows if r.update_cosine is not None]
-    if cosines:
-        merged["update_cosine"] = sum(cosines) / len(cosines)
-    source = next((r.comm_source for r in rows if r.comm_source), None)
-    if source is not None:
-        merged["comm_source"] = source
-    return DatacenterRoundRecord(**merged)
 
 
 class AsyncFederation:

@@ -55,6 +55,40 @@ def update_cosines(updates: Sequence[ClientUpdate], aggregate: Arrays) -> dict[s
     return {update.datacenter: cosine(update.delta, aggregate) for update in updates}
 
 
+_SUMMED = ("bytes_up", "bytes_down", "bytes_up_raw", "compute_s", "comm_s", "overhead_s", "idle_s", "round_s", "link_bytes_up",
+           "link_bytes_down", "num_examples")
+_LARGEST = ("staleness", "drift_l2")
+
+
+def merge_rows(rows: Sequence[DatacenterRoundRecord]) -> DatacenterRoundRecord:
+    """One datacenter-round record for several replies of one datacenter at one version (async) or for one round's
+    exchanges (streaming): status ok if any was, reasons joined, counts and seconds summed, train loss example-weighted over the replies
+    that kept their example count (else their plain mean), staleness and drift the largest, update cosine the mean."""
+    if len(rows) == 1:
+        return rows[0]
+    merged: dict[str, Any] = {"status": "ok" if any(r.status == "ok" for r in rows) else rows[-1].status}
+    reasons = list(dict.fromkeys(r.reason for r in rows if r.reason))
+    if reasons:
+        merged["reason"] = "; ".join(reasons)[:500]
+    for keys, combine in ((_SUMMED, sum), (_LARGEST, max)):
+        for key in keys:
+            values = [getattr(r, key) for r in rows if getattr(r, key) is not None]
+            if values:
+                merged[key] = combine(values)
+    losses = [(r.train_loss, r.num_examples) for r in rows if r.train_loss is not None and r.num_examples]
+    if not losses:  # only discarded or rejected updates (their example counts are not kept): a plain mean
+        losses = [(r.train_loss, 1) for r in rows if r.train_loss is not None]
+    if losses:
+        merged["train_loss"] = sum(loss * n for loss, n in losses) / sum(n for _, n in losses)
+    cosines = [r.update_cosine for r in rows if r.update_cosine is not None]
+    if cosines:
+        merged["update_cosine"] = sum(cosines) / len(cosines)
+    source = next((r.comm_source for r in rows if r.comm_source), None)
+    if source is not None:
+        merged["comm_source"] = source
+    return DatacenterRoundRecord(**merged)
+
+
 def link_measurements(link: LedgerReader, start: float, end: float, source: str) -> dict[str, Any]:
     """What the datacenter's link carried for the round's messages during [start, end]: comm_s (seconds
     the link was busy with them), how that was obtained, and their bytes in each direction (protocol
@@ -132,9 +166,13 @@ class RoundSession:
         return RecordDict({**model_records, **self._records[1], CONFIG_KEY: ConfigRecord(cfg)}), downlink_version
 
     # ------------------------------------------------------------------ the gate
-    def judge(self, datacenter: str, reply: Reply | None, tau: int, pushed_at: float, timeout_reason: str) -> Judged:
-        """One Flower reply (None: none came) through the update gate."""
-        return judge_reply(reply, datacenter, self.weights, tau, pushed_at, timeout_reason, self.rules)
+    def judge(self, datacenter: str, reply: Reply | None, tau: int, pushed_at: float, timeout_reason: str,
+              reference: Mapping[str, np.ndarray] | None = None, compute_since: float | None = None) -> Judged:
+        """One Flower reply (None: none came) through the update gate, checked against the global weights or, for
+        one fragment's update, that fragment's (`reference`); its compute must fit since `compute_since` (default:
+        the push)."""
+        return judge_reply(reply, datacenter, self.weights if reference is None else reference, tau, pushed_at,
+                           timeout_reason, self.rules, compute_since)
 
     def judge_content(self, datacenter: str, content: RecordDict, tau: int, round_s: float,
                       reference: Mapping[str, np.ndarray] | None = None) -> Judged:

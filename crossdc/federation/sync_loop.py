@@ -57,10 +57,11 @@ def run_federation(grid: Grid, run_dir: RunDir) -> dict[str, Any]:
     try:
         config = parse_config(settings["config"])
         loop = strategy_class(config.strategy.name).loop
-        if loop == "streaming":
-            raise FederationError(f"strategy '{config.strategy.name}': the streaming loop is not implemented yet on "
-                                  "Flower's Deployment Engine")
-        if loop == "async":  # FedAsync, FedBuff: no rounds
+        if loop == "streaming":  # Streaming DiLoCo: exchanges of fragments while the datacenters train
+            from crossdc.federation.streaming_loop import run_streaming
+
+            summary = run_streaming(grid, run_dir, run_id, config, runlog)
+        elif loop == "async":  # FedAsync, FedBuff: no rounds
             from crossdc.federation.async_loop import run_async
 
             summary = run_async(grid, run_dir, run_id, config, runlog)

@@ -136,9 +136,10 @@ class GateRules:
 
 
 def judge_reply(reply: Reply | None, datacenter: str, weights: Mapping[str, np.ndarray], tau: int, pushed_at: float,
-                timeout_reason: str, rules: GateRules) -> Judged:
+                timeout_reason: str, rules: GateRules, compute_since: float | None = None) -> Judged:
     """Pass one Flower reply through the gate: a record with status ok, failed, timeout or rejected (with its
-    reason). None (nothing came) and an expired message are timeouts; an error reply is a failure."""
+    reason). None (nothing came) and an expired message are timeouts; an error reply is a failure. The reported
+    compute must fit between `compute_since` (wall-clock; default `pushed_at`) and the reply's arrival."""
     if reply is None:
         return Judged(DatacenterRoundRecord(status="timeout", reason=timeout_reason), replied=False)
     round_s = reply.received_at - pushed_at
@@ -150,18 +151,20 @@ def judge_reply(reply: Reply | None, datacenter: str, weights: Mapping[str, np.n
                           replied=False)
         return Judged(DatacenterRoundRecord(status="failed", reason=str(error.reason).splitlines()[0][:500],
                                             round_s=round_s))
-    return judge_content(reply.message.content, datacenter, weights, tau, round_s, rules)
+    compute_window_s = None if compute_since is None else reply.received_at - compute_since
+    return judge_content(reply.message.content, datacenter, weights, tau, round_s, rules, compute_window_s)
 
 
 def judge_content(content: RecordDict, datacenter: str, weights: Mapping[str, np.ndarray], tau: int, round_s: float,
-                  rules: GateRules) -> Judged:
+                  rules: GateRules, compute_window_s: float | None = None) -> Judged:
     """Pass one reply's content (the update, the strategy's tensor groups, the metrics) through the gate.
 
     A payload over ``rules.max_bytes`` is rejected before decoding. Every tensor group the strategy needs
     (``rules.reply_groups``, e.g. SCAFFOLD's ``control``) must be present and pass the same checks as the update
     (names, shapes, dtypes of the weights, finite values); a missing one rejects. With ``rules.compressed`` (the
     run has codecs) the update must come as a codec payload that decodes cleanly. The reported examples must be
-    possible in τ steps and the reported compute must fit in the round."""
+    possible in τ steps and the reported compute must fit in the round (or in `compute_window_s`, for a trainer that
+    computed before the message came: a streaming exchange)."""
     size = payload_bytes(content)
 
     def rejected(reason: str) -> Judged:
@@ -188,8 +191,9 @@ def judge_content(content: RecordDict, datacenter: str, weights: Mapping[str, np
         return rejected(f"malformed reply: {type(err).__name__}: {err}")
     if reason is None and not 0 < num_examples <= tau * rules.batch_size:
         reason = f"reply reports {num_examples} examples; at most τ × batch = {tau * rules.batch_size} are possible"
-    if reason is None and not 0 <= compute_s <= round_s:
-        reason = f"reply reports {compute_s:.3f}s of compute in a {round_s:.3f}s round"
+    window_s = round_s if compute_window_s is None else compute_window_s
+    if reason is None and not 0 <= compute_s <= window_s:
+        reason = f"reply reports {compute_s:.3f}s of compute in a {window_s:.3f}s round"
     if reason is not None:
         return rejected(reason)
     # the reply's tensors as dense fp32: the update and the strategy's groups (SCAFFOLD sends twice the model)

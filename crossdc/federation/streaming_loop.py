@@ -1,0 +1,134 @@
+"""The streaming federated loop on Flower's Grid: the model synced fragment by fragment while the datacenters train.
+
+Promises, per exchange k of the run (round r, fragment p; see :mod:`crossdc.strategies.fragments`): every
+datacenter gets one message that asks for the update of exchange k and carries the server's result of exchange
+k − 1 (the first carries the initial weights, on which each datacenter's trainer starts training at once); the
+exchange closes when every datacenter has replied, or at the deadline (``run.round_timeout_s``) if at least
+``min_replies`` have (the others are recorded as timed out, with an event; too few fails the run); every reply
+passes the update gate against the fragment's weights, then the round's norm-outlier check; the fragment's
+aggregate is computed once and the strategy's outer step applied to that fragment
+(:meth:`~crossdc.federation.session.RoundSession.aggregate_fragment`). A round closes with its last fragment: the
+global model is evaluated, the round and one row per datacenter (its exchanges merged: bytes, compute and the
+trainer's own idle time summed) go to the run log.
+
+How it hides Flower's per-message costs: a datacenter's ClientApp blocks until its trainer reaches the exchange's
+send step, so the next message is always already posted when an exchange's reply is pushed; what the trainer may
+wait for is only the cycle from that reply to the next message's delivery (aggregation, the SuperNode's next pull,
+a ClientApp's start), and only if it is longer than τ_o inner steps (with eager updates: a whole round more). Each
+message's TTL is the exchange's deadline, which covers its wait in the SuperNode's queue and the time its ClientApp
+blocks.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from typing import Any
+
+import numpy as np
+from flwr.app import ConfigRecord, Message, MessageType, RecordDict
+from flwr.serverapp import Grid
+
+from crossdc import protocol
+from crossdc.db.records import DatacenterRoundRecord
+from crossdc.db.runlog import RunLog
+from crossdc.experiment.config import ExperimentConfig
+from crossdc.experiment.rundir import RunDir
+from crossdc.federation.grid_io import FederationError, collect_replies
+from crossdc.federation.server_checkpoint import SETTINGS_ATTEMPT
+from crossdc.federation.session import merge_rows
+from crossdc.federation.sync_loop import MAX_ROUNDS_WITHOUT_UPDATES, start_session
+from crossdc.protocol import CONFIG_KEY, FRAGMENT_UPDATE_KEY, encode_tensors, payload_bytes
+from crossdc.strategies.base import StrategyError
+from crossdc.strategies.streaming_diloco import StreamingDiLoCo
+
+log = logging.getLogger("crossdc.federation")
+
+
+def run_streaming(grid: Grid, run_dir: RunDir, run_id: str, config: ExperimentConfig, runlog: RunLog) -> dict[str, Any]:
+    """Run a streaming experiment to its end on `grid`; returns the run's summary."""
+    session, nodes = start_session(grid, run_dir, run_id, config, runlog)
+    strategy = session.strategy
+    if not isinstance(strategy, StreamingDiLoCo):
+        raise StrategyError(f"strategy '{strategy.name}' declares the streaming loop but is no StreamingDiLoCo")
+    plan = strategy.plan(session.weights)
+    schedule = plan.schedule
+    eager = bool(strategy.params["eager"])
+    needed = config.run.min_replies or len(nodes)
+    timeout_s = config.run.round_timeout_s
+    attempt = int(run_dir.settings().get(SETTINGS_ATTEMPT, 1))
+    run_started = time.perf_counter()
+    results: dict[int, dict[str, np.ndarray]] = {}  # the server's result of each exchange (the next message's load)
+    pushed: dict[int, float] = {}  # when each exchange's messages were posted (wall-clock, for durations only)
+    exchanges_without_updates = 0
+    round_rows: dict[str, list[DatacenterRoundRecord]] = {}
+    round_started = time.perf_counter()
+    bytes_down_round = 0
+    for exchange in range(1, config.run.rounds * schedule.fragments + 1):
+        server_round, fragment = schedule.locate(exchange)
+        names = plan.fragments[fragment]
+        if fragment == 0:
+            round_rows, round_started, bytes_down_round = {name: [] for name in nodes}, time.perf_counter(), 0
+        records = (encode_tensors(session.weights) if exchange == 1
+                   else encode_tensors(results[exchange - 1], FRAGMENT_UPDATE_KEY))
+        messages: dict[str, Message] = {}
+        bytes_down: dict[str, int] = {}
+        for name, node in nodes.items():
+            cfg = protocol.stream_config(exchange=exchange, server_round=server_round, tau=schedule.steps_per_round,
+                                         run_id=run_id, run_dir=str(run_dir.path), datacenter=name,
+                                         update_of=exchange - 1 if exchange > 1 else None, attempt=attempt)
+            content = RecordDict({**records, CONFIG_KEY: ConfigRecord(cfg)})
+            # the TTL covers the message's wait in the node's queue and the time its ClientApp blocks for the send
+            messages[name] = Message(content, dst_node_id=node, message_type=MessageType.TRAIN, ttl=timeout_s)
+            bytes_down[name] = payload_bytes(content)
+        pushed_at = pushed[exchange] = time.time()
+        ids = list(grid.push_messages(list(messages.values())))
+        id_of = dict(zip(messages, ids, strict=True))
+        replies = collect_replies(grid, ids, timeout_s)
+        reference = {n: session.weights[n] for n in names}
+        reason = f"no reply within the exchange's {timeout_s:g}s (fixed run.round_timeout_s)"
+        # a trainer cannot have passed the merge that needed an earlier message before that message was posted: the
+        # compute since its previous send began after the push of exchange k − 1 (eager: k − 1 − P)
+        since = pushed[max(1, exchange - 1 - (schedule.fragments if eager else 0))]
+        judged = {name: session.judge(name, replies.get(id_of[name]), schedule.spacing, pushed_at, reason, reference,
+                                      compute_since=since) for name in nodes}
+        session.reject_outliers(judged)
+        for name, outcome in judged.items():
+            session.note_outcome(name, outcome, server_round)
+        accepted = [j.update for j in judged.values() if j.update is not None]
+        replied = sum(j.replied for j in judged.values())
+        if replied < needed:
+            raise FederationError(f"exchange {exchange} (round {server_round}, fragment {fragment}): {replied} replies "
+                                  f"within {timeout_s:g}s, {needed} needed (run.min_replies)")
+        if accepted:
+            exchanges_without_updates = 0
+            mean, cosines = session.aggregate_fragment(names, accepted)
+        else:  # the fragment stays as it is; with eager updates, the datacenters step on their own stand-ins alone
+            exchanges_without_updates += 1
+            mean, cosines = {n: np.zeros_like(session.weights[n]) for n in names}, {}
+            runlog.log_event(run_id=run_id, kind="round-without-updates", round=server_round,
+                             detail=f"exchange {exchange} (fragment {fragment}): no usable update; the fragment is unchanged")
+        results.pop(exchange - 1, None)
+        results[exchange] = mean if eager else {n: session.weights[n].copy() for n in names}
+        for name, outcome in judged.items():
+            record = session.finish_record(name, outcome, pushed_at, bytes_down=bytes_down[name],
+                                           update_cosine=cosines.get(name))
+            if record.status == "ok" and outcome.update is not None:
+                # the trainer computed all along: its idle time is its own measure of waiting, not round − compute
+                record = record.replace(idle_s=float(outcome.update.metrics.get(protocol.IDLE_S, 0.0)), overhead_s=None)
+            round_rows[name].append(record)
+        bytes_down_round += sum(bytes_down.values())
+        if exchanges_without_updates >= MAX_ROUNDS_WITHOUT_UPDATES * schedule.fragments:
+            raise FederationError(f"{exchanges_without_updates} exchanges in a row without one usable update; see the events")
+        if fragment == schedule.fragments - 1:  # the round's last fragment: the round is complete
+            eval_s = session.evaluate_if_due(server_round)
+            merged = []
+            for name, rows in round_rows.items():
+                row = merge_rows(rows)
+                runlog.log_datacenter_round(run_id=run_id, round=server_round, datacenter=name, record=row)
+                merged.append(row)
+            session.log_round(server_round, schedule.steps_per_round, merged, bytes_down_round,
+                              time.perf_counter() - round_started, eval_s)
+            session.check_run_log(f"round-{server_round}")
+    session.save_final_weights()
+    return session.summary(time.perf_counter() - run_started, fragments=schedule.fragments)
