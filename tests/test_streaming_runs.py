@@ -10,6 +10,8 @@ import numpy as np
 import pytest
 from conftest import read_run
 
+from crossdc.db.engine import make_engine
+from crossdc.db.queries import list_fragment_exchanges
 from crossdc.experiment.config import ExperimentConfig, parse_config
 from crossdc.experiment.processes import free_port
 from crossdc.experiment.rundir import RunDir
@@ -68,7 +70,12 @@ def streaming_runs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, dict]:
         config = config_with(params)
         result = run_local(config, LocalRunOptions(db_url=db_url, engine="deployment", superlink_port=free_port(),
                                                    runs_root=tmp / "runs"))
-        runs[label] = {"params": params, "result": result, **read_run(db_url, result.run_id)}
+        engine = make_engine(db_url)
+        try:
+            exchanges = list_fragment_exchanges(engine, result.run_id)
+        finally:
+            engine.dispose()
+        runs[label] = {"params": params, "result": result, "exchanges": exchanges, **read_run(db_url, result.run_id)}
     return runs
 
 
@@ -86,6 +93,16 @@ def test_trainers_keep_computing_while_fragments_travel(streaming_runs: dict[str
         assert [r["round"] for r in run["rounds"]] == [1, 2]
         assert all(r["compute_s"] > 0 and r["comm_s"] > 0 and r["idle_s"] >= 0 for r in run["dc_rounds"])
         assert all(r["num_examples"] == 100 * 16 for r in run["dc_rounds"])  # H inner steps a round
+        # one row per datacenter and exchange: fragment p of round r sent after step (r−1)·H + (p+1)·H/P
+        exchanges = run["exchanges"]
+        assert [(e["exchange"], e["round"], e["fragment"]) for e in exchanges if e["datacenter"] == "us-east"] == [
+            (1, 1, 0), (2, 1, 1), (3, 2, 0), (4, 2, 1)]
+        assert [e["sent_step"] for e in exchanges if e["datacenter"] == "us-east"] == [50, 100, 150, 200]
+        assert all(e["status"] == "ok" and e["bytes_up"] > 0 and e["bytes_down"] > 0 for e in exchanges)
+        for row in run["dc_rounds"]:  # a round's row sums its exchanges
+            mine = [e for e in exchanges if e["datacenter"] == row["datacenter"] and e["round"] == row["round"]]
+            assert row["bytes_up"] == sum(e["bytes_up"] for e in mine)
+            assert row["idle_s"] == pytest.approx(sum(e["idle_s"] for e in mine))
     without, with_overlap = exposed_ratio(waiting), exposed_ratio(overlapped)
     # each exchange of the run without overlap waits a whole cycle (reply, aggregation, next message, ClientApp
     # start); the eager run's merges need what arrived a round before: a wide margin, not a measured goal

@@ -124,6 +124,7 @@ class DatacenterRoundRow(BaseModel):
     compute_s: float | None
     comm_s: float | None
     overhead_s: float | None
+    idle_s: float | None
     round_s: float | None
     comm_source: str | None
     link_bytes_up: int | None

@@ -182,6 +182,33 @@ class AsyncUpdate(Base):
     bytes_up: Mapped[int] = mapped_column(BigInteger, default=0)
 
 
+class FragmentExchange(Base):
+    """One datacenter's part of one exchange of a streaming run: fragment ``fragment`` of round ``round``, the
+    run's ``exchange``-th sync; its status and bytes as the gate judged the reply, the inner step after which the
+    update was taken, and the trainer's compute and waits since its previous send (revision 0007)."""
+
+    __tablename__ = "fragment_exchanges"
+    __table_args__ = (
+        UniqueConstraint("run_id", "exchange", "datacenter"),
+        CheckConstraint(_in("status", DATACENTER_ROUND_STATUSES), name="status"),
+    )
+
+    id: Mapped[int] = mapped_column(_BigId, primary_key=True, autoincrement=True)
+    run_id: Mapped[str] = mapped_column(String(64), _run_fk(), index=True)
+    round: Mapped[int] = mapped_column(Integer)
+    exchange: Mapped[int] = mapped_column(Integer)
+    fragment: Mapped[int] = mapped_column(Integer)
+    datacenter: Mapped[str] = mapped_column(String(128))
+    status: Mapped[str] = mapped_column(String(16))
+    reason: Mapped[str | None] = mapped_column(Text)
+    bytes_up: Mapped[int] = mapped_column(BigInteger, default=0)
+    bytes_down: Mapped[int] = mapped_column(BigInteger, default=0)
+    sent_step: Mapped[int | None] = mapped_column(BigInteger)
+    compute_s: Mapped[float | None] = mapped_column(Float)
+    idle_s: Mapped[float | None] = mapped_column(Float)
+    round_s: Mapped[float | None] = mapped_column(Float)
+
+
 class Event(Base):
     __tablename__ = "events"
     __table_args__ = (Index("ix_events_run_id_id", "run_id", "id"),)
@@ -281,6 +308,7 @@ __all__ = [
     "Datacenter",
     "DatacenterRound",
     "Event",
+    "FragmentExchange",
     "Round",
     "Run",
     "metadata",
@@ -295,5 +323,6 @@ EVENTS: Table = Event.__table__  # type: ignore[assignment]
 DATACENTERS: Table = Datacenter.__table__  # type: ignore[assignment]
 CHECKPOINTS: Table = Checkpoint.__table__  # type: ignore[assignment]
 ASYNC_UPDATES: Table = AsyncUpdate.__table__  # type: ignore[assignment]
+FRAGMENT_EXCHANGES: Table = FragmentExchange.__table__  # type: ignore[assignment]
 API_TOKENS: Table = ApiToken.__table__  # type: ignore[assignment]
 AUDIT_LOG: Table = AuditEntry.__table__  # type: ignore[assignment]

@@ -20,6 +20,7 @@ from crossdc.db.models import CHECKPOINTS as _CHECKPOINTS
 from crossdc.db.models import DATACENTER_ROUNDS as _DC_ROUNDS
 from crossdc.db.models import DATACENTERS as _DATACENTERS
 from crossdc.db.models import EVENTS as _EVENTS
+from crossdc.db.models import FRAGMENT_EXCHANGES as _FRAGMENTS
 from crossdc.db.models import ROUNDS as _ROUNDS
 from crossdc.db.models import RUNS as _RUNS
 
@@ -89,6 +90,11 @@ def list_async_updates(bind: Bind, run_id: str) -> list[dict[str, Any]]:
     return _rows(bind, _ordered(_ASYNC, run_id, (_ASYNC.c.seq,)))
 
 
+def list_fragment_exchanges(bind: Bind, run_id: str) -> list[dict[str, Any]]:
+    """The run's ``fragment_exchanges`` rows (a streaming run), by exchange then datacenter."""
+    return _rows(bind, _ordered(_FRAGMENTS, run_id, (_FRAGMENTS.c.exchange, _FRAGMENTS.c.datacenter)))
+
+
 def list_checkpoints(bind: Bind, run_id: str) -> list[dict[str, Any]]:
     """The run's ``checkpoints`` rows, by round."""
     return _rows(bind, _ordered(_CHECKPOINTS, run_id, (_CHECKPOINTS.c.round,)))
@@ -108,6 +114,7 @@ __all__ = [
     "get_run",
     "list_async_updates",
     "list_checkpoints",
+    "list_fragment_exchanges",
     "list_datacenter_rounds",
     "list_datacenters",
     "list_events",

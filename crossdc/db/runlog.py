@@ -51,6 +51,7 @@ from crossdc.db.errors import DatabaseUnavailable
 from crossdc.db.models import (
     ASYNC_UPDATE_STATUSES,
     BASELINES,
+    DATACENTER_ROUND_STATUSES,
     RUN_STATUSES,
 )
 from crossdc.db.models import ASYNC_UPDATES as _ASYNC
@@ -58,6 +59,7 @@ from crossdc.db.models import CHECKPOINTS as _CHECKPOINTS
 from crossdc.db.models import DATACENTER_ROUNDS as _DC_ROUNDS
 from crossdc.db.models import DATACENTERS as _DATACENTERS
 from crossdc.db.models import EVENTS as _EVENTS
+from crossdc.db.models import FRAGMENT_EXCHANGES as _FRAGMENTS
 from crossdc.db.models import ROUNDS as _ROUNDS
 from crossdc.db.models import RUNS as _RUNS
 from crossdc.db.queries import utcnow
@@ -224,8 +226,12 @@ def _op_async_update(conn: Connection, v: dict[str, Any]) -> None:
     _upsert(conn, _ASYNC, v, ("run_id", "seq"))
 
 
+def _op_fragment_exchange(conn: Connection, v: dict[str, Any]) -> None:
+    _upsert(conn, _FRAGMENTS, v, ("run_id", "exchange", "datacenter"))
+
+
 def _op_forget_rounds_after(conn: Connection, v: dict[str, Any]) -> None:
-    for table in (_ROUNDS, _DC_ROUNDS, _CHECKPOINTS):
+    for table in (_ROUNDS, _DC_ROUNDS, _CHECKPOINTS, _FRAGMENTS):
         conn.execute(delete(table).where(table.c.run_id == v["run_id"], table.c.round > v["round"]))
 
 
@@ -487,6 +493,32 @@ class RunLog:
                 "scale": _float("scale", scale),
                 "status": _choice("status", status, ASYNC_UPDATE_STATUSES),
                 "bytes_up": _int("bytes_up", bytes_up, nullable=False, minimum=0),
+            },
+        )
+
+    def log_fragment_exchange(self, *, run_id: str, round: int, exchange: int, fragment: int,  # noqa: A002
+                              datacenter: str, status: str, reason: str | None = None, bytes_up: int = 0,
+                              bytes_down: int = 0, sent_step: int | None = None, compute_s: float | None = None,
+                              idle_s: float | None = None, round_s: float | None = None) -> None:
+        """Record (or overwrite) one datacenter's part of one exchange of a streaming run, keyed by (run_id,
+        exchange, datacenter)."""
+        self._put(
+            "fragment_exchange",
+            _op_fragment_exchange,
+            {
+                "run_id": _text("run_id", run_id),
+                "round": _int("round", round, nullable=False, minimum=1),
+                "exchange": _int("exchange", exchange, nullable=False, minimum=1),
+                "fragment": _int("fragment", fragment, nullable=False, minimum=0),
+                "datacenter": _text("datacenter", datacenter),
+                "status": _choice("status", status, DATACENTER_ROUND_STATUSES),
+                "reason": _text("reason", reason, nullable=True),
+                "bytes_up": _int("bytes_up", bytes_up, nullable=False, minimum=0),
+                "bytes_down": _int("bytes_down", bytes_down, nullable=False, minimum=0),
+                "sent_step": _int("sent_step", sent_step, minimum=0),
+                "compute_s": _float("compute_s", compute_s),
+                "idle_s": _float("idle_s", idle_s),
+                "round_s": _float("round_s", round_s),
             },
         )
 

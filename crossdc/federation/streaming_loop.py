@@ -9,7 +9,9 @@ passes the update gate against the fragment's weights, then the round's norm-out
 aggregate is computed once and the strategy's outer step applied to that fragment
 (:meth:`~crossdc.federation.session.RoundSession.aggregate_fragment`). A round closes with its last fragment: the
 global model is evaluated, the round and one row per datacenter (its exchanges merged: bytes, compute and the
-trainer's own idle time summed) go to the run log.
+trainer's own idle time summed) go to the run log; every datacenter's part of every exchange gets a
+``fragment_exchanges`` row (status, bytes, the step the update was taken after, compute and waits since the
+previous send).
 
 How it hides Flower's per-message costs: a datacenter's ClientApp blocks until its trainer reaches the exchange's
 send step, so the next message is always already posted when an exchange's reply is pushed; what the trainer may
@@ -113,10 +115,18 @@ def run_streaming(grid: Grid, run_dir: RunDir, run_id: str, config: ExperimentCo
         for name, outcome in judged.items():
             record = session.finish_record(name, outcome, pushed_at, bytes_down=bytes_down[name],
                                            update_cosine=cosines.get(name))
+            sent_step = None
             if record.status == "ok" and outcome.update is not None:
                 # the trainer computed all along: its idle time is its own measure of waiting, not round − compute
-                record = record.replace(idle_s=float(outcome.update.metrics.get(protocol.IDLE_S, 0.0)), overhead_s=None)
+                metrics = outcome.update.metrics
+                record = record.replace(idle_s=float(metrics.get(protocol.IDLE_S, 0.0)), overhead_s=None)
+                sent_step = int(metrics[protocol.SENT_STEP]) if protocol.SENT_STEP in metrics else None
             round_rows[name].append(record)
+            runlog.log_fragment_exchange(run_id=run_id, round=server_round, exchange=exchange, fragment=fragment,
+                                         datacenter=name, status=record.status, reason=record.reason,
+                                         bytes_up=int(record.bytes_up or 0), bytes_down=bytes_down[name],
+                                         sent_step=sent_step, compute_s=record.compute_s, idle_s=record.idle_s,
+                                         round_s=record.round_s)
         bytes_down_round += sum(bytes_down.values())
         if exchanges_without_updates >= MAX_ROUNDS_WITHOUT_UPDATES * schedule.fragments:
             raise FederationError(f"{exchanges_without_updates} exchanges in a row without one usable update; see the events")
