@@ -148,7 +148,7 @@ name = "wan-fault"
 rounds = 10
 seed = 0
 min_replies = 1
-round_timeout_s = 60
+round_timeout_s = 40
 
 [workload]
 dataset = "synthetic"
@@ -173,17 +173,18 @@ link = "transoceanic"
 [[link_faults]]
 datacenter = "eu-west"
 after_round = 1
-cut_s = 65
+cut_s = 45
 """
 
 
 @pytest.fixture(scope="module")
 def wan_fault_run(tmp_path_factory: pytest.TempPathFactory) -> dict:
-    """Two datacenters on emulated transoceanic links (100 Mbps, 150 ms); eu-west's link is cut for 65 s after round 1.
+    """Two datacenters on emulated transoceanic links (100 Mbps, 150 ms); eu-west's link is cut for 45 s after round 1.
 
-    The cut outlasts the round's deadline (60 s, generous so that a loaded machine still finishes every other round in
-    time: a CI run once saw us-east take 41 s over a round of 4 steps), so round 2 misses eu-west. A silence that long
-    may also outlast Flower's node heartbeat (about 20 s apart,
+    The cut outlasts the round's deadline (40 s, generous so that a loaded machine still finishes every other round in
+    time), so round 2 misses eu-west; it must stay shorter than Flower's 60 s offline window, or the first missed
+    round is a "Node Unavailable" failure instead of a timeout. A silence that long may also outlast Flower's node
+    heartbeat (about 20 s apart,
     offline after 60 s without one): the SuperLink then fails the next rounds' messages to eu-west at once, until its
     heartbeat gets through again. Ten rounds leave room for both ways back."""
     tmp = tmp_path_factory.mktemp("wan")
