@@ -10,14 +10,16 @@ same schedule gives the same weights: nothing depends on when an update arrived,
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
 
+from crossdc import protocol as proto
 from crossdc.clients.local_training import LocalTrainer, StepsResult
-from crossdc.strategies.fragments import eager_outer_gradient, fragment_of, mix
+from crossdc.compression.uplink import encode_update
+from crossdc.strategies.fragments import MERGE, SEND, Event, eager_outer_gradient, fragment_of, mix
 from crossdc.strategies.streaming_diloco import StreamingDiLoCo, StreamingPlan
 
 Arrays = Mapping[str, np.ndarray]
@@ -115,6 +117,17 @@ class StreamingReplica:
         self.trainer.set_weights(local)
         self.reference.update({n: v.copy() for n, v in new_global.items()})
 
+    def meet(self, event: Event, result_of: Callable[[int], Arrays | None]) -> SentUpdate | None:
+        """Train up to the event's step, then do it: a send returns the fragment's update; a merge takes the server
+        result it needs from `result_of(exchange)` (which may wait for it) and returns None."""
+        self.advance(event.step)
+        if event.kind == SEND:
+            return self.send(event.exchange)
+        if event.kind == MERGE:
+            needed = self.needed_update(event.exchange)
+            self.merge(event.exchange, None if needed is None else result_of(needed))
+        return None
+
     def needed_update(self, exchange: int) -> int | None:
         """The exchange whose server result the merge of `exchange` needs: itself (eager off), the fragment's
         previous exchange (eager on; None in the first round)."""
@@ -122,3 +135,14 @@ class StreamingReplica:
             return exchange
         previous = exchange - self.plan.schedule.fragments
         return previous if previous >= 1 else None
+
+
+def sent_answer(sent: SentUpdate, codecs: Sequence[str], seed: int, store: Any) -> dict[str, Any]:
+    """A fragment's update as a reply carries it (``{"delta"|"payload", "metrics"}``): through the run's codecs, their
+    state in the datacenter's store, with the metrics of the inner steps since the previous send."""
+    metrics: dict[str, Any] = {proto.NUM_EXAMPLES: sent.num_examples, proto.TRAIN_LOSS: sent.mean_loss,
+                               proto.COMPUTE_S: sent.compute_s}
+    if codecs:
+        payload, codec_metrics = encode_update(sent.delta, codecs, sent.exchange, seed, store)
+        return {"payload": payload, "metrics": {**metrics, **codec_metrics}}
+    return {"delta": sent.delta, "metrics": metrics}

@@ -19,7 +19,6 @@ import numpy as np
 
 from crossdc import protocol as proto
 from crossdc.clients.streaming_replica import SentUpdate, StreamingReplica
-from crossdc.strategies.fragments import MERGE, SEND
 
 Arrays = Mapping[str, np.ndarray]
 
@@ -46,18 +45,14 @@ class StreamingWorker:
     def _run(self) -> None:
         try:
             for event in self.replica.plan.schedule.events(self.last_exchange):
-                self.replica.advance(event.step)
-                if event.kind == SEND:
-                    sent = self.replica.send(event.exchange)
+                sent = self.replica.meet(event, self._wait_for_result)
+                if sent is not None:
                     answer = self.encode(sent)
                     answer["metrics"].update({proto.IDLE_S: self._idle_s, proto.SENT_STEP: event.step})
                     self._idle_s = 0.0
                     with self._condition:
                         self._answers[event.exchange] = answer
                         self._condition.notify_all()
-                elif event.kind == MERGE:
-                    needed = self.replica.needed_update(event.exchange)
-                    self.replica.merge(event.exchange, None if needed is None else self._wait_for_result(needed))
         except Exception as err:  # every later call is told, in one line
             with self._condition:
                 self._error = f"{type(err).__name__}: {err}".splitlines()[0]

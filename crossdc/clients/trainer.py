@@ -38,11 +38,10 @@ import torch.distributed as dist
 from crossdc import protocol as proto
 from crossdc.clients.channel import serve_requests
 from crossdc.clients.local_round import run_local_round
-from crossdc.clients.streaming_replica import SentUpdate, StreamingReplica
+from crossdc.clients.streaming_replica import SentUpdate, StreamingReplica, sent_answer
 from crossdc.clients.streaming_worker import StreamingFailed, StreamingWorker
 from crossdc.clients.worker import GROUP_TIMEOUT, backend, build_rank, use_device
 from crossdc.compression.downlink import DownlinkOutOfSync, receive
-from crossdc.compression.uplink import encode_update
 from crossdc.compression.wire import CodecError
 from crossdc.experiment.builders import datacenter_seed
 from crossdc.experiment.config import parse_config
@@ -197,14 +196,7 @@ class DatacenterTrainer:
         return {"ok": True, **answer}
 
     def _sent_answer(self, sent: SentUpdate) -> dict[str, Any]:
-        """A fragment's update as a reply carries it: through the run's codecs (their state in the store), with the
-        metrics of the inner steps since the previous send."""
-        metrics: dict[str, Any] = {proto.NUM_EXAMPLES: sent.num_examples, proto.TRAIN_LOSS: sent.mean_loss,
-                                   proto.COMPUTE_S: sent.compute_s}
-        if self.codecs:
-            payload, codec_metrics = encode_update(sent.delta, self.codecs, sent.exchange, self.codec_seed, self.store)
-            return {"payload": payload, "metrics": {**metrics, **codec_metrics}}
-        return {"delta": sent.delta, "metrics": metrics}
+        return sent_answer(sent, self.codecs, self.codec_seed, self.store)
 
     def _read(self, kind: type[RequestT], message: dict[str, Any]) -> tuple[RequestT, None] | tuple[None, dict[str, Any]]:
         """The request `message` holds, or the refusal to answer (malformed, or for another run)."""

@@ -64,8 +64,7 @@ def run_streaming(grid: Grid, run_dir: RunDir, run_id: str, config: ExperimentCo
     pushed: dict[int, float] = {}  # when each exchange's messages were posted (wall-clock, for durations only)
     exchanges_without_updates = 0
     round_rows: dict[str, list[DatacenterRoundRecord]] = {}
-    round_started = time.perf_counter()
-    bytes_down_round = 0
+    round_started, bytes_down_round = time.perf_counter(), 0
     for exchange in range(1, config.run.rounds * schedule.fragments + 1):
         server_round, fragment = schedule.locate(exchange)
         names = plan.fragments[fragment]
@@ -102,16 +101,17 @@ def run_streaming(grid: Grid, run_dir: RunDir, run_id: str, config: ExperimentCo
         if replied < needed:
             raise FederationError(f"exchange {exchange} (round {server_round}, fragment {fragment}): {replied} replies "
                                   f"within {timeout_s:g}s, {needed} needed (run.min_replies)")
+        mean: dict[str, np.ndarray] | None = None
+        cosines: dict[str, float] = {}
         if accepted:
             exchanges_without_updates = 0
             mean, cosines = session.aggregate_fragment(names, accepted)
         else:  # the fragment stays as it is; with eager updates, the datacenters step on their own stand-ins alone
             exchanges_without_updates += 1
-            mean, cosines = {n: np.zeros_like(session.weights[n]) for n in names}, {}
             runlog.log_event(run_id=run_id, kind="round-without-updates", round=server_round,
                              detail=f"exchange {exchange} (fragment {fragment}): no usable update; the fragment is unchanged")
         results.pop(exchange - 1, None)
-        results[exchange] = mean if eager else {n: session.weights[n].copy() for n in names}
+        results[exchange] = strategy.exchange_result({n: session.weights[n] for n in names}, mean)
         for name, outcome in judged.items():
             record = session.finish_record(name, outcome, pushed_at, bytes_down=bytes_down[name],
                                            update_cosine=cosines.get(name))

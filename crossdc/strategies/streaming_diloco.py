@@ -92,5 +92,15 @@ class StreamingDiLoCo(DiLoCo):
         """The server's step of one exchange: the fragment's new global values from its mean update."""
         return self.outer_step(global_fragment, mean)
 
+    def exchange_result(self, fragment_weights: Mapping[str, np.ndarray],
+                        mean: Mapping[str, np.ndarray] | None) -> dict[str, np.ndarray]:
+        """What the server sends the datacenters for one exchange, once its step is done: the fragment's new global
+        values (eager off), or its mean update (eager on; zeros when no update was accepted)."""
+        if not self.params["eager"]:
+            return {n: np.asarray(v, np.float32).copy() for n, v in fragment_weights.items()}
+        if mean is None:
+            return {n: np.zeros_like(v) for n, v in fragment_weights.items()}
+        return dict(mean)
+
     def round_metrics(self, server_round: int, updates: Sequence[Any]) -> dict[str, Any]:
         return {**super().round_metrics(server_round, updates), "fragments": int(self.params["fragments"])}

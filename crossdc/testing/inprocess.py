@@ -36,9 +36,8 @@ from crossdc import protocol
 from crossdc.clients.local_round import run_local_round
 from crossdc.clients.local_training import LocalTrainer
 from crossdc.clients.state_store import DatacenterStateStore
-from crossdc.clients.streaming_replica import StreamingReplica
+from crossdc.clients.streaming_replica import SentUpdate, StreamingReplica, sent_answer
 from crossdc.compression.downlink import receive
-from crossdc.compression.uplink import encode_update
 from crossdc.experiment.builders import datacenter_seed
 from crossdc.experiment.config import (
     CompressionSection,
@@ -52,7 +51,7 @@ from crossdc.experiment.config import (
 from crossdc.federation.session import RoundSession
 from crossdc.protocol import TrainRequest, payload_bytes, reply_content
 from crossdc.strategies.base import ClientUpdate, Strategy
-from crossdc.strategies.fragments import MERGE, SEND
+from crossdc.strategies.fragments import SEND
 from crossdc.strategies.streaming_diloco import StreamingDiLoCo
 from crossdc.workloads import Workload
 
@@ -99,7 +98,7 @@ class InProcessFederation:
         #: a streaming run's replicas (built at its first round), the server's result of each exchange (what a
         #: merge needs) and the events of the schedule met so far
         self.replicas: dict[str, StreamingReplica] | None = None
-        self.exchange_results: dict[int, dict[str, np.ndarray] | None] = {}
+        self.exchange_results: dict[int, dict[str, np.ndarray]] = {}
         self.events_done: set[tuple[str, int]] = set()
 
     @classmethod
@@ -196,34 +195,22 @@ class InProcessFederation:
             if event.step > round_end or (event.kind, event.exchange) in self.events_done:
                 continue
             self.events_done.add((event.kind, event.exchange))
-            for dc, replica in self.replicas.items():
-                steps = replica.advance(event.step)
-                if steps is not None:
-                    result.compute_s[dc] = result.compute_s.get(dc, 0.0) + steps.compute_s
+            sent = {dc: replica.meet(event, self.exchange_results.__getitem__) for dc, replica in self.replicas.items()}
             if event.kind == SEND:
-                self._streaming_exchange(event.exchange, plan.fragments[event.fragment], schedule.spacing, result)
-            elif event.kind == MERGE:
-                for replica in self.replicas.values():
-                    needed = replica.needed_update(event.exchange)
-                    replica.merge(event.exchange, None if needed is None else self.exchange_results[needed])
+                updates = {dc: update for dc, update in sent.items() if update is not None}
+                for dc, update in updates.items():
+                    result.compute_s[dc] = result.compute_s.get(dc, 0.0) + update.compute_s
+                self._streaming_exchange(event.exchange, plan.fragments[event.fragment], schedule.spacing, updates, result)
         return result
 
-    def _streaming_exchange(self, exchange: int, names: Sequence[str], spacing: int, result: RoundResult) -> None:
+    def _streaming_exchange(self, exchange: int, names: Sequence[str], spacing: int, sent: Mapping[str, SentUpdate],
+                            result: RoundResult) -> None:
         """Exchange k: every datacenter's fragment update through the gate, the server step, what the merges need."""
-        assert self.replicas is not None
         session = self.session
         reference = {n: self.weights[n] for n in names}
         judged = {}
-        for dc, replica in self.replicas.items():
-            sent = replica.send(exchange)
-            metrics = {protocol.NUM_EXAMPLES: sent.num_examples, protocol.TRAIN_LOSS: sent.mean_loss,
-                       protocol.COMPUTE_S: sent.compute_s}
-            codecs = self.config.compression.codecs
-            if codecs:  # the fragment's update through the run's codec pipeline, its state in the datacenter's store
-                payload, codec_metrics = encode_update(sent.delta, codecs, exchange, self.seeds[dc], self.stores[dc])
-                answer: dict[str, Any] = {"payload": payload, "metrics": {**metrics, **codec_metrics}}
-            else:
-                answer = {"delta": sent.delta, "metrics": metrics}
+        for dc, update in sent.items():
+            answer = sent_answer(update, self.config.compression.codecs, self.seeds[dc], self.stores[dc])
             content = reply_content({**answer, "extras": {}})
             judged[dc] = session.judge_content(dc, content, spacing, math.inf, reference=reference)
             size = int(judged[dc].record.bytes_up or 0)
@@ -237,12 +224,10 @@ class InProcessFederation:
             else:
                 accepted.append(outcome.update)
         result.updates.extend(accepted)
-        eager = bool(self.strategy.params["eager"])
-        if accepted:
-            mean, _ = session.aggregate_fragment(names, accepted)
-            self.exchange_results[exchange] = mean if eager else {n: self.weights[n].copy() for n in names}
-        else:  # nothing to step with: the fragment stays as it is
-            self.exchange_results[exchange] = (None if eager else {n: self.weights[n].copy() for n in names})
+        mean = session.aggregate_fragment(names, accepted)[0] if accepted else None  # none: the fragment stays
+        strategy = self.strategy
+        assert isinstance(strategy, StreamingDiLoCo)
+        self.exchange_results[exchange] = strategy.exchange_result({n: self.weights[n] for n in names}, mean)
 
     def evaluate(self) -> tuple[float, float]:
         """(validation loss, accuracy) of the current global weights on the workload's one validation set."""
