@@ -22,7 +22,7 @@ Numpy only (no torch): the short-lived ClientApp imports this.
 from __future__ import annotations
 
 import json
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -52,8 +52,8 @@ DOWNLINK_VERSION = "downlink-version"
 DOWNLINK_KEY = "downlink"
 #: the record names the protocol itself uses: no strategy tensor group may take one (nor a name that is some
 #: group's layout record, ``<group>-layout``, see :func:`layout_key`)
-#: record of a streaming message: the server's result of an earlier exchange (the fragment's new global values, or
-#: with eager updates its mean update)
+#: record of a streaming message: the server's results of earlier exchanges (each the fragment's new global values,
+#: or with eager updates its mean update), a tensor named ``<exchange>/<tensor>``
 FRAGMENT_UPDATE_KEY = "fragment-update"
 RESERVED_RECORDS = frozenset({ARRAYS_KEY, LAYOUT_KEY, CONFIG_KEY, METRICS_KEY, COMPRESSED_KEY, DOWNLINK_KEY,
                               FRAGMENT_UPDATE_KEY})
@@ -115,12 +115,20 @@ PAYLOAD_BYTES = "payload-bytes"
 #: which the update was taken
 IDLE_S = "idle-s"
 SENT_STEP = "sent-step"
+#: a streaming exchange, on the datacenter's wall clock (seconds since the epoch): when the update was sent; flat
+#: [start, end, ...] of the trainer's compute and of its waits since its previous send; flat [exchange, at, ...] of
+#: the server results that reached it since then
+SENT_AT = "sent-at"
+SPANS_COMPUTE = "spans-compute"
+SPANS_WAIT = "spans-wait"
+RESULTS_RECEIVED = "results-received"
 
 # ---------------------------------------------------------------- streaming exchanges (coordinator → datacenter)
 #: config entry of a streaming message: the exchange it asks for (its round and fragment follow from the schedule)
 EXCHANGE = "crossdc-exchange"
-#: config entry: the exchange whose server result the message carries (in record FRAGMENT_UPDATE_KEY)
-UPDATE_OF = "crossdc-update-of"
+#: config entry: the exchanges whose server results the message carries (in record FRAGMENT_UPDATE_KEY): the
+#: previous exchange's; the first message of a resumed attempt, every one the datacenter still needs
+RESULTS_OF = "crossdc-results-of"
 
 
 #: the trainer channel's operations
@@ -193,58 +201,101 @@ class TrainRequest:
 class StreamRequest:
     """What the ClientApp hands the persistent trainer for one message of a streaming run: the exchange k it asks
     for, the run's initial weights (the first exchange: the trainer starts training on them), and the server's
-    result of an earlier exchange (`update_of`, its tensors in `update`) for the trainer to merge on schedule."""
+    results of earlier exchanges (`results`, by exchange) for the trainer to merge on schedule; in a resumed
+    attempt, the round of the checkpoint it continues from (`resume_round`); when the run checkpoints, the round of
+    the server's oldest retained checkpoint (`checkpoint_round`)."""
 
     run_id: str
     exchange: int
     tau: int
     weights: Mapping[str, np.ndarray] | None = None
-    update_of: int | None = None
-    update: Mapping[str, np.ndarray] | None = None
+    results: Mapping[int, Mapping[str, np.ndarray]] = field(default_factory=dict)
     attempt: int = 1
+    checkpoint_round: int | None = None
+    resume_round: int | None = None
 
     @classmethod
     def from_message(cls, content: RecordDict) -> StreamRequest:
         """The request for a streaming message's content (ProtocolError naming what is missing or malformed)."""
         config = content.config_records[CONFIG_KEY]
-        update_of = config_int(config, UPDATE_OF) if UPDATE_OF in config else None
         try:
             weights = decode_tensors(content) if has_tensors(content, ARRAYS_KEY) else None
-            update = decode_tensors(content, FRAGMENT_UPDATE_KEY) if has_tensors(content, FRAGMENT_UPDATE_KEY) else None
+            results = decode_results(content, _int_list(config, RESULTS_OF))
         except PayloadError as err:
             raise ProtocolError(f"streaming message: {err}") from None
         return cls(run_id=str(config[RUN_ID]), exchange=config_int(config, EXCHANGE), tau=config_int(config, TAU),
-                   weights=weights, update_of=update_of, update=update,
-                   attempt=config_int(config, ATTEMPT) if ATTEMPT in config else 1)
+                   weights=weights, results=results,
+                   attempt=config_int(config, ATTEMPT) if ATTEMPT in config else 1,
+                   checkpoint_round=config_int(config, CHECKPOINT_ROUND) if CHECKPOINT_ROUND in config else None,
+                   resume_round=config_int(config, RESUME_ROUND) if RESUME_ROUND in config else None)
 
     def to_dict(self) -> dict[str, Any]:
         """The request as sent over the trainer's local channel (``{"op": "stream", ...}``)."""
         return {"op": STREAM_OP, "run_id": self.run_id, "exchange": self.exchange, "tau": self.tau,
-                "weights": self.weights, "update_of": self.update_of, "update": self.update, "attempt": self.attempt}
+                "weights": self.weights, "results": dict(self.results), "attempt": self.attempt,
+                "checkpoint_round": self.checkpoint_round, "resume_round": self.resume_round}
 
     @classmethod
     def from_dict(cls, request: Mapping[str, Any]) -> StreamRequest:
         """The request :meth:`to_dict` made; ProtocolError naming what is missing or malformed."""
         try:
-            update_of = request.get("update_of")
+            optional = {key: None if request.get(key) is None else int(request[key])
+                        for key in ("checkpoint_round", "resume_round")}
             return cls(run_id=str(request["run_id"]), exchange=int(request["exchange"]), tau=int(request["tau"]),
-                       weights=request.get("weights"), update_of=None if update_of is None else int(update_of),
-                       update=request.get("update"), attempt=int(request.get("attempt", 1)))
+                       weights=request.get("weights"),
+                       results={int(k): v for k, v in (request.get("results") or {}).items()},
+                       attempt=int(request.get("attempt", 1)), **optional)
         except KeyError as err:
             raise ProtocolError(f"a stream request needs {err.args[0]!r}") from None
-        except (TypeError, ValueError) as err:
+        except (TypeError, ValueError, AttributeError) as err:
             raise ProtocolError(f"malformed stream request: {err}") from None
 
 
 def stream_config(*, exchange: int, server_round: int, tau: int, run_id: str, run_dir: str, datacenter: str,
-                  update_of: int | None, attempt: int | None = None) -> dict[str, Any]:
-    """The config entries of a streaming message (its tensors: the weights, or the result of `update_of`)."""
+                  results_of: Sequence[int] = (), attempt: int | None = None, checkpoint_round: int | None = None,
+                  resume_round: int | None = None) -> dict[str, Any]:
+    """The config entries of a streaming message (its tensors: the weights, or the results of `results_of`)."""
     cfg = train_config(server_round=server_round, tau=tau, run_id=run_id, run_dir=run_dir, datacenter=datacenter,
-                       attempt=attempt)
+                       attempt=attempt, checkpoint_round=checkpoint_round, resume_round=resume_round)
     cfg[EXCHANGE] = exchange
-    if update_of is not None:
-        cfg[UPDATE_OF] = update_of
+    if results_of:
+        cfg[RESULTS_OF] = [int(k) for k in results_of]
     return cfg
+
+
+def encode_results(results: Mapping[int, Mapping[str, np.ndarray]]) -> dict[str, ArrayRecord | ConfigRecord]:
+    """The records carrying the server's results of some exchanges (record FRAGMENT_UPDATE_KEY); none for none."""
+    if not results:
+        return {}
+    return encode_tensors({f"{k}/{name}": value for k, arrays in results.items() for name, value in arrays.items()},
+                          FRAGMENT_UPDATE_KEY)
+
+
+def decode_results(content: RecordDict, exchanges: Sequence[int]) -> dict[int, dict[str, np.ndarray]]:
+    """The results :func:`encode_results` packed, for `exchanges` (the message's RESULTS_OF); PayloadError if the
+    record is missing or does not hold exactly those exchanges."""
+    if not exchanges:
+        return {}
+    results: dict[int, dict[str, np.ndarray]] = {k: {} for k in exchanges}
+    for key, value in decode_tensors(content, FRAGMENT_UPDATE_KEY).items():
+        exchange, _, name = key.partition("/")
+        if not exchange.isdigit() or int(exchange) not in results or not name:
+            raise PayloadError(f"result tensor {key!r} is of none of the exchanges {list(exchanges)}")
+        results[int(exchange)][name] = value
+    empty = [k for k, arrays in results.items() if not arrays]
+    if empty:
+        raise PayloadError(f"no result tensors of exchange(s) {empty}")
+    return results
+
+
+def _int_list(config: ConfigRecord, key: str) -> list[int]:
+    """Config entry `key` as a list of ints (empty when absent); ProtocolError when it is not one."""
+    value = config.get(key)
+    if value is None:
+        return []
+    if not isinstance(value, list) or any(isinstance(v, bool) or not isinstance(v, int) for v in value):
+        raise ProtocolError(f"config entry '{key}' must be a list of integers, got {value!r}")
+    return [int(v) for v in value]
 
 
 def config_int(config: ConfigRecord, key: str) -> int:

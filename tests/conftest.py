@@ -103,6 +103,19 @@ def interruptible() -> None:
     signal.signal(signal.SIGINT, signal.SIG_DFL)
 
 
+def streaming_toml(*, name: str, rounds: int, tau: int, params: str, speed: float, link: str | None = None,
+                   extra: str = "") -> str:
+    """The experiment the streaming tests run: two datacenters (us-east, eu-west) training the synthetic MLP with
+    AdamW under Streaming DiLoCo with `params` (a TOML inline table), each at `speed` behind `link` (none: loopback),
+    with `extra` TOML appended (sections of its own)."""
+    link_line = f'link = "{link}"\n' if link else ""
+    datacenters = "".join(f'\n[[datacenters]]\nname = "{dc}"\n{link_line}speed = {speed:g}\n' for dc in ("us-east", "eu-west"))
+    return (f'[run]\nname = "{name}"\nrounds = {rounds}\nseed = 0\nround_timeout_s = 300\n\n'
+            '[workload]\ndataset = "synthetic"\nmodel = "mlp"\npartition = { kind = "iid" }\nbatch_size = 16\n'
+            'optimizer = "adamw"\nlr = 0.01\n\n'
+            f'[strategy]\nname = "streaming-diloco"\ntau = {tau}\nparams = {params}\n{extra}{datacenters}')
+
+
 def read_run(db_url: str, run_id: str) -> dict[str, Any]:
     """Everything the run log holds about one run: run, rounds, dc_rounds, events (plain dicts)."""
     engine = make_engine(db_url)

@@ -6,7 +6,20 @@ import numpy as np
 import pytest
 from flwr.app import ConfigRecord, RecordDict
 
-from crossdc.protocol import LAYOUT_KEY, PayloadError, decode_tensors, encode_tensors, payload_bytes, raw_fp32_bytes
+from crossdc.protocol import (
+    CONFIG_KEY,
+    LAYOUT_KEY,
+    RESULTS_OF,
+    PayloadError,
+    ProtocolError,
+    StreamRequest,
+    decode_tensors,
+    encode_results,
+    encode_tensors,
+    payload_bytes,
+    raw_fp32_bytes,
+    stream_config,
+)
 
 
 def test_round_trip_keeps_names_order_shapes_and_values() -> None:
@@ -41,3 +54,27 @@ def test_a_layout_that_does_not_match_the_data_is_refused(layout: str) -> None:
 def test_missing_records_are_refused() -> None:
     with pytest.raises(PayloadError, match="no tensors"):
         decode_tensors(RecordDict({}))
+
+
+def _stream_message(results: dict, results_of: object) -> RecordDict:
+    config = stream_config(exchange=6, server_round=3, tau=8, run_id="r", run_dir="", datacenter="a")
+    config[RESULTS_OF] = results_of
+    return RecordDict({**encode_results(results), CONFIG_KEY: ConfigRecord(config)})
+
+
+def test_a_streaming_message_carries_the_results_of_several_exchanges() -> None:
+    results = {3: {"w": np.arange(4, dtype=np.float32).reshape(2, 2)}, 4: {"w": np.ones(2, np.float32), "b": np.zeros(1, np.float32)}}
+    request = StreamRequest.from_message(_stream_message(results, [3, 4]))
+    assert sorted(request.results) == [3, 4] and sorted(request.results[4]) == ["b", "w"]
+    np.testing.assert_array_equal(request.results[3]["w"], results[3]["w"])
+    assert StreamRequest.from_dict(request.to_dict()).results.keys() == request.results.keys()
+    with pytest.raises(ProtocolError, match="none of the exchanges"):  # a result the config does not announce
+        StreamRequest.from_message(_stream_message(results, [3]))
+    with pytest.raises(ProtocolError, match=r"no result tensors of exchange\(s\) \[5\]"):
+        StreamRequest.from_message(_stream_message(results, [3, 4, 5]))
+    with pytest.raises(ProtocolError, match="must be a list of integers"):
+        StreamRequest.from_message(_stream_message(results, "3,4"))
+    with pytest.raises(ProtocolError, match="no tensor group 'fragment-update'"):
+        StreamRequest.from_message(_stream_message({}, [3]))
+    with pytest.raises(ProtocolError, match="malformed stream request"):
+        StreamRequest.from_dict({"run_id": "r", "exchange": 1, "tau": 8, "results": [1, 2]})

@@ -3,12 +3,15 @@ with one fragment, no overlap, α = 0 and eager off it is DiLoCo, weight for wei
 
 from __future__ import annotations
 
+import copy
+import io
 from pathlib import Path
 
 import numpy as np
 import pytest
 import torch
 
+from crossdc.clients.streaming_replica import StreamingReplica
 from crossdc.strategies.base import RunInfo, StrategyError
 from crossdc.strategies.diloco import DiLoCo
 from crossdc.strategies.fragments import (
@@ -108,6 +111,26 @@ def test_order_at_one_step_send_before_own_merge_after_earlier_merge() -> None:
     assert no_overlap == [(SEND, 1), (MERGE, 1), (SEND, 2), (MERGE, 2)]
     full = [(e.step, e.kind, e.exchange) for e in FragmentSchedule(4, 2, 2).events(3)]
     assert full == [(2, SEND, 1), (4, MERGE, 1), (4, SEND, 2), (6, MERGE, 2), (6, SEND, 3), (8, MERGE, 3)]
+
+
+@pytest.mark.parametrize(("steps", "fragments", "overlap"), [(12, 1, 0), (12, 3, 2), (12, 4, 3), (8, 2, 0), (8, 8, 1)])
+def test_events_after_a_send_are_the_rest_of_the_sequence(steps: int, fragments: int, overlap: int) -> None:
+    schedule = FragmentSchedule(steps, fragments, overlap)
+    last = 3 * fragments
+    events = list(schedule.events(last))
+    assert list(schedule.events_after_send(last, 0)) == events
+    for k in range(1, last + 1):
+        at = events.index(next(e for e in events if e.kind == SEND and e.exchange == k))
+        assert list(schedule.events_after_send(last, k)) == events[at + 1:], k
+
+
+def test_results_still_needed_after_a_send() -> None:
+    schedule = FragmentSchedule(8, 2, 1)
+    assert schedule.results_needed_after(0, eager=False) == [] == schedule.results_needed_after(0, eager=True)
+    assert schedule.results_needed_after(4, eager=False) == [4]  # its own merge, τ_o steps on
+    # eager: the merge of k uses the result of k − P; the merges still to come after sending 4 are those of 4, 5, 6
+    assert schedule.results_needed_after(4, eager=True) == [2, 3, 4]
+    assert schedule.results_needed_after(1, eager=True) == [1]
 
 
 def test_schedule_errors() -> None:
@@ -244,3 +267,46 @@ def test_four_bit_outer_gradients_cost_an_eighth_and_train_alike(tmp_path: Path)
     (fp32_loss, fp32_bytes), (int4_loss, int4_bytes) = runs[()], runs[("int4:ef=true",)]
     assert int4_bytes < 0.2 * fp32_bytes  # 0.5 byte a value plus a scale per 64, against 4 bytes
     assert abs(int4_loss - fp32_loss) < 0.05 * fp32_loss, (int4_loss, fp32_loss)
+
+
+def test_a_replica_saved_after_a_round_and_restored_elsewhere_goes_on_exactly(tmp_path: Path) -> None:
+    """What a resume needs: the replicas' state after a round's last send (through torch.save, as the state store
+    keeps it), the server's weights, outer state and the results still needed, loaded into a fresh federation
+    (new trainers: the inner AdamW and the data order come from the saved state) give the uninterrupted run."""
+    tau, rounds, stop_after = 8, 4, 2
+    params = {"fragments": 2, "overlap": 1, "alpha": 0.5, "eager": True}
+    whole = federation(StreamingDiLoCo(tau=tau, params=params, run=run_info()), tmp_path / "whole")
+    for _ in range(rounds):
+        whole.run_round()
+    first = federation(StreamingDiLoCo(tau=tau, params=params, run=run_info()), tmp_path / "first")
+    for _ in range(stop_after):
+        first.run_round()
+    assert first.replicas is not None
+    schedule = first.replicas["a"].plan.schedule
+    sent = schedule.exchange(stop_after, schedule.fragments - 1)
+    buffer = io.BytesIO()
+    torch.save({"replicas": {dc: r.state_dict() for dc, r in first.replicas.items()},
+                "weights": first.weights, "strategy": first.strategy.state_dict(),
+                "results": {k: first.exchange_results[k] for k in schedule.results_needed_after(sent, eager=True)}},
+               buffer)
+    buffer.seek(0)
+    saved = torch.load(buffer, weights_only=False)
+
+    second = federation(StreamingDiLoCo(tau=tau, params=params, run=run_info()), tmp_path / "second")
+    second.session.weights = saved["weights"]
+    second.strategy.load_state_dict(saved["strategy"])
+    plan = second.strategy.plan(second.weights)  # type: ignore[attr-defined]
+    second.replicas = {}
+    for dc, state in saved["replicas"].items():
+        replica = StreamingReplica(copy.deepcopy(second.strategy), second.trainers[dc], plan, second.weights, len(DCS))
+        replica.load_state_dict(state)
+        assert replica.last_sent == sent
+        second.replicas[dc] = replica
+    second.exchange_results = dict(saved["results"])
+    second.server_round = stop_after
+    remaining = set((e.kind, e.exchange) for e in schedule.events_after_send(rounds * 2, sent))
+    second.events_done = {(e.kind, e.exchange) for e in schedule.events(rounds * 2)} - remaining
+    for _ in range(rounds - stop_after):
+        second.run_round()
+    for name in whole.weights:
+        assert np.array_equal(second.weights[name], whole.weights[name]), name

@@ -8,7 +8,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from conftest import read_run
+from conftest import read_run, streaming_toml
 
 from crossdc.db.engine import make_engine
 from crossdc.db.queries import list_fragment_exchanges
@@ -20,45 +20,16 @@ from crossdc.testing.inprocess import InProcessFederation
 
 pytestmark = [pytest.mark.deployment, pytest.mark.usefixtures("namespaces")]
 
-#: two datacenters at an emulated tenth of their speed: a round of 100 inner steps computes about 10 s
-CONFIG = """\
-[run]
-name = "streaming-e2e"
-rounds = 2
-seed = 0
-round_timeout_s = 300
-
-[workload]
-dataset = "synthetic"
-model = "mlp"
-partition = { kind = "iid" }
-batch_size = 16
-optimizer = "adamw"
-lr = 0.01
-
-[strategy]
-name = "streaming-diloco"
-tau = 100
-params = PARAMS
-
-[[datacenters]]
-name = "us-east"
-link = "transoceanic"
-speed = 0.01
-
-[[datacenters]]
-name = "eu-west"
-link = "transoceanic"
-speed = 0.01
-"""
-
+#: two datacenters at an emulated hundredth of their speed behind transoceanic links: a round of 100 inner steps
+#: computes about 10 s
 OVERLAPPED = '{ fragments = 2, overlap = 1, alpha = 0.5, eager = true }'
 NOT_OVERLAPPED = '{ fragments = 2, overlap = 0, alpha = 0.0, eager = false }'
 PARAMS = {"overlapped": OVERLAPPED, "not-overlapped": NOT_OVERLAPPED}
 
 
 def config_with(params: str, speed: float = 0.01) -> ExperimentConfig:
-    return parse_config(tomllib.loads(CONFIG.replace("PARAMS", params).replace("speed = 0.01", f"speed = {speed}")))
+    return parse_config(tomllib.loads(streaming_toml(name="streaming-e2e", rounds=2, tau=100, params=params, speed=speed,
+                                                     link="transoceanic")))
 
 
 @pytest.fixture(scope="module")

@@ -10,7 +10,7 @@ same schedule gives the same weights: nothing depends on when an update arrived,
 
 from __future__ import annotations
 
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -57,9 +57,38 @@ class StreamingReplica:
         #: the updates sent and not yet merged, by exchange; with eager, each fragment's previous one too
         self.sent: dict[int, dict[str, np.ndarray]] = {}
         self.previous_sent: dict[int, dict[str, np.ndarray]] = {}
+        #: the latest exchange sent (0: none yet)
+        self.last_sent = 0
         #: since the last send: examples, steps, summed step losses, compute seconds
         self._examples = self._steps = 0
         self._loss_sum = self._compute_s = 0.0
+
+    def state_dict(self) -> dict[str, Any]:
+        """Everything the replica needs to go on exactly from where it is: the local weights, the inner optimizer
+        and data position, the schedule's position, the references and updates in flight, its own outer state
+        (eager). Taken between events (right after a send, for a checkpoint)."""
+        return {"weights": self.trainer.get_weights(), "trainer": self.trainer.state_dict(),
+                "strategy": self.strategy.state_dict(), "step": self.step, "last_sent": self.last_sent,
+                "reference": {n: v.copy() for n, v in self.reference.items()},
+                "sent": {k: dict(v) for k, v in self.sent.items()},
+                "previous_sent": {k: dict(v) for k, v in self.previous_sent.items()},
+                "since_send": (self._examples, self._steps, self._loss_sum, self._compute_s)}
+
+    def load_state_dict(self, state: Mapping[str, Any]) -> None:
+        """Put back what :meth:`state_dict` returned (the same run's plan)."""
+        self.trainer.set_weights(state["weights"])
+        self.trainer.load_state_dict(state["trainer"])
+        self.strategy.load_state_dict(state["strategy"])
+        self.step, self.last_sent = int(state["step"]), int(state["last_sent"])
+        self.reference = {n: np.asarray(v, np.float32).copy() for n, v in state["reference"].items()}
+        self.sent = {int(k): dict(v) for k, v in state["sent"].items()}
+        self.previous_sent = {int(k): dict(v) for k, v in state["previous_sent"].items()}
+        examples, steps, loss_sum, compute_s = state["since_send"]
+        self._examples, self._steps, self._loss_sum, self._compute_s = int(examples), int(steps), float(loss_sum), float(compute_s)
+
+    def remaining_events(self, last_exchange: int) -> Iterator[Event]:
+        """The schedule's events up to `last_exchange` this replica has still to meet, in order."""
+        return self.plan.schedule.events_after_send(last_exchange, self.last_sent)
 
     def advance(self, to_step: int, **hooks: Any) -> StepsResult | None:
         """Run the inner steps up to `to_step` (none if it is reached already; ValueError to go back)."""
@@ -85,6 +114,7 @@ class StreamingReplica:
         local = self.trainer.get_weights()
         delta = {n: (local[n] - self.reference[n]).astype(np.float32) for n in self.plan.fragments[fragment]}
         self.sent[exchange] = delta
+        self.last_sent = exchange
         sent = SentUpdate(exchange, delta, self._examples, self._loss_sum / self._steps if self._steps else float("nan"),
                           self._compute_s)
         self._examples = self._steps = 0

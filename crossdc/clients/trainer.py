@@ -38,6 +38,7 @@ import torch.distributed as dist
 from crossdc import protocol as proto
 from crossdc.clients.channel import serve_requests
 from crossdc.clients.local_round import run_local_round
+from crossdc.clients.state_store import StateStoreError
 from crossdc.clients.streaming_replica import SentUpdate, StreamingReplica, sent_answer
 from crossdc.clients.streaming_worker import StreamingFailed, StreamingWorker
 from crossdc.clients.worker import GROUP_TIMEOUT, backend, build_rank, use_device
@@ -165,8 +166,9 @@ class DatacenterTrainer:
         return {"ok": False, "error": f"unknown trainer op {op!r}"}
 
     def _stream(self, message: dict[str, Any]) -> dict[str, Any]:
-        """One message of a streaming run: the first starts the replica's thread on the run's initial weights; each
-        hands over the server's result it carries and waits for the update of the exchange it asks for."""
+        """One message of a streaming run: the first starts the replica's thread on the run's initial weights (the
+        first of a resumed attempt: on the replica's state saved at the checkpoint it continues from); each hands
+        over the server's results it carries and waits for the update of the exchange it asks for."""
         request, refusal = self._read(StreamRequest, message)
         if refusal is not None:
             return refusal
@@ -176,24 +178,62 @@ class DatacenterTrainer:
         strategy = self.strategy
         if not isinstance(strategy, StreamingDiLoCo):
             return {"ok": False, "error": f"{self.datacenter}: strategy '{strategy.name}' does not stream"}
-        if self.streaming is None:
-            if request.weights is None:
-                return {"ok": False, "error": f"{self.datacenter}: the first message of a streaming run must carry the "
-                                              "initial weights"}
-            try:
-                plan = strategy.plan(request.weights)
-            except StrategyError as err:
-                return {"ok": False, "error": f"{self.datacenter}: {err}".splitlines()[0]}
-            replica = StreamingReplica(strategy, self.trainer, plan, request.weights, len(self.config.datacenters))
-            self.streaming = StreamingWorker(replica, self.config.run.rounds * plan.schedule.fragments, self._sent_answer)
+        timeout_s = self.config.run.round_timeout_s
+        if request.attempt < self.attempt:
+            return {"ok": False, "error": f"a message of attempt {request.attempt} at the run; attempt {self.attempt} "
+                                          "is running"}
         try:
-            answer = self.streaming.exchange(request.exchange, request.update_of, request.update,
-                                             timeout_s=self.config.run.round_timeout_s)
-        except (StreamingFailed, TimeoutError) as err:
+            if request.attempt > self.attempt:  # a new attempt (a resume): the old one's replica stops here
+                if self.streaming is not None:
+                    self.streaming.cancel(timeout_s)
+                    self.streaming = None
+                self._set_attempt(request.attempt)
+            if self.streaming is None:
+                self.streaming = self._start_streaming(strategy, request)
+            if request.checkpoint_round is not None:  # keep the replica states a resume to that checkpoint needs
+                self.store.keep_from = request.checkpoint_round * self.streaming.replica.plan.schedule.fragments
+            answer = self.streaming.exchange(request.exchange, request.results, timeout_s=timeout_s)
+        except (StreamingFailed, TimeoutError, StrategyError, StateStoreError) as err:
             return {"ok": False, "error": f"{self.datacenter}: {err}".splitlines()[0]}
         answer["metrics"].update({proto.TRAINER_PID: os.getpid(), proto.WORKERS: self.world,
                                   proto.WORKER_PIDS: self.worker_pids()})
         return {"ok": True, **answer}
+
+    def _start_streaming(self, strategy: StreamingDiLoCo, request: StreamRequest) -> StreamingWorker:
+        """The replica's thread for the attempt `request` belongs to: on the initial weights (the run's first
+        exchange), or on the state saved after the checkpointed round a resumed attempt continues from. The
+        state store's clock in a streaming run is the exchange: a round r ends with exchange r·P."""
+        datacenters = len(self.config.datacenters)
+        if request.resume_round is not None:
+            plan = strategy.plan(self.trainer.get_weights())
+            resumed_at = request.resume_round * plan.schedule.fragments
+            if request.exchange != resumed_at + 1:
+                raise StreamingFailed(f"the trainer restarted during attempt {request.attempt}; the run must be "
+                                      f"resumed again (exchange {request.exchange} asked, the attempt began at "
+                                      f"{resumed_at + 1})")
+            self.store.rewind(resumed_at)
+            stored = self.store.load(STREAMING_STATE_KEY)
+            if stored is None or stored[1] != resumed_at:
+                raise StateStoreError(f"no replica state of exchange {resumed_at} (round {request.resume_round}) kept "
+                                      "to resume from")
+            replica = StreamingReplica(strategy, self.trainer, plan, stored[0]["weights"], datacenters)
+            replica.load_state_dict(stored[0])
+            log.info("%s: streaming replica resumed after exchange %d (round %d)", self.datacenter, resumed_at,
+                     request.resume_round)
+        else:
+            if request.weights is None or request.exchange != 1:
+                raise StreamingFailed(f"exchange {request.exchange} asked of a trainer with no replica: the first "
+                                      "message of a streaming run carries the initial weights (a trainer restarted "
+                                      "mid-run needs the run resumed)")
+            plan = strategy.plan(request.weights)
+            replica = StreamingReplica(strategy, self.trainer, plan, request.weights, datacenters)
+        schedule = plan.schedule
+
+        def save_state(exchange: int) -> None:  # a round's last send: the replica as a checkpoint of it needs it
+            if self.store.keep_from is not None and schedule.locate(exchange)[1] == schedule.fragments - 1:
+                self.store.save(STREAMING_STATE_KEY, replica.state_dict(), exchange)
+
+        return StreamingWorker(replica, self.config.run.rounds * schedule.fragments, self._sent_answer, save_state)
 
     def _sent_answer(self, sent: SentUpdate) -> dict[str, Any]:
         return sent_answer(sent, self.codecs, self.codec_seed, self.store)
@@ -258,6 +298,8 @@ class DatacenterTrainer:
 
 #: a file beside the datacenter's state (not a state key: a rewind never moves it back)
 ATTEMPT_FILE = "attempt"
+#: the state-store key of a streaming replica's state, saved after each round's last send when the run checkpoints
+STREAMING_STATE_KEY = "streaming-replica"
 
 
 def serve(run_dir: RunDir, datacenter: str) -> None:

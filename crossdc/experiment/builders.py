@@ -44,8 +44,7 @@ def build_strategy(config: ExperimentConfig) -> Strategy:
         raise StrategyError(f"'security.norm_rejection_factor' (a check across a round's updates) is not implemented yet "
                             f"for the asynchronous strategy '{s.name}'")
     if strategy.loop == "streaming":
-        unbuilt = [("checkpoint.every_rounds", "checkpoints and resume", bool(config.checkpoint.every_rounds)),
-                   ("compression.downlink_codecs", "a compressed downlink", bool(config.compression.downlink_codecs)),
+        unbuilt = [("compression.downlink_codecs", "a compressed downlink", bool(config.compression.downlink_codecs)),
                    ("run.deadline", "the adaptive deadline", config.run.deadline is not None),
                    ("datacenters.workers", "more than one worker in a datacenter",
                     any(dc.workers > 1 for dc in config.datacenters))]

@@ -36,6 +36,7 @@ from crossdc.experiment.builders import build_strategy, build_workload, initial_
 from crossdc.experiment.config import ExperimentConfig
 from crossdc.experiment.rundir import SETTINGS_LINK_EMULATOR, RunDir
 from crossdc.federation.grid_io import Reply
+from crossdc.federation.server_checkpoint import ResumeError, ServerCheckpointer, loop_state, restore_rng
 from crossdc.federation.update_gate import GateRules, Judged, judge_content, judge_reply, update_norm_outliers, update_size_limit
 from crossdc.protocol import CONFIG_KEY, encode_tensors, raw_fp32_bytes
 from crossdc.strategies.aggregation import cosine
@@ -291,6 +292,49 @@ class RoundSession:
                 np.savez(path, **self.weights)
                 log.error("database unavailable for too long: stopping at %s; global weights saved to %s", label, path)
             raise
+
+    def resume(self, checkpointer: ServerCheckpointer | None, attempt: int, nodes: Mapping[str, int]) -> tuple[int, dict[str, Any]]:
+        """Load the run's newest intact checkpoint into the session (weights, the strategy's state, the latest
+        evaluation, byte totals, the downlink sender, worker pids of the datacenters in `nodes`, the RNGs), forget
+        what the run log holds past it and record the resume; returns (its round, what the loop carried).
+        ResumeError when there is nothing to resume from."""
+        if checkpointer is None:
+            raise ResumeError("the run has no checkpoints ([checkpoint] every_rounds = 0): nothing to resume from")
+        info, state = checkpointer.load_latest(self.run_id)
+        server_round = int(state["round"])
+        self.weights = state["weights"]
+        self.strategy.load_state_dict(state["strategy"])
+        carried = state["carried"]
+        self.val_loss, self.val_accuracy = carried["val_loss"], carried["val_accuracy"]
+        self.totals = dict(carried["totals"])
+        if self.downlink is not None and carried.get("downlink") is not None:
+            self.downlink.load_state_dict(carried["downlink"])
+        self.worker_pids.update({name: list(pids) for name, pids in carried["worker_pids"].items() if name in nodes})
+        restore_rng(state["rng"])
+        if self.runlog is not None:
+            self.runlog.forget_rounds_after(run_id=self.run_id, round=server_round)
+            self.runlog.log_event(run_id=self.run_id, kind="resumed", round=server_round,
+                                  detail={"checkpoint": info.uri, "attempt": attempt, "next_round": server_round + 1})
+        return server_round, carried
+
+    def checkpoint(self, checkpointer: ServerCheckpointer, server_round: int, carried: Mapping[str, Any]) -> bool:
+        """Checkpoint the run after `server_round` (what :meth:`resume` restores, with what the loop carries,
+        `carried`), once the rounds it covers are in the run log (a resume never re-runs them); False, with a
+        warning, when the run log could not be written in time (no checkpoint this round)."""
+        assert self.runlog is not None
+        try:
+            self.runlog.flush(timeout=60)
+        except (TimeoutError, DatabaseUnavailable) as err:
+            log.warning("round %d: no checkpoint, the run log is not written yet (%s)", server_round, err)
+            return False
+        everything = {"val_loss": self.val_loss, "val_accuracy": self.val_accuracy, "totals": dict(self.totals),
+                      "worker_pids": self.worker_pids,
+                      "downlink": self.downlink.state_dict() if self.downlink is not None else None, **carried}
+        info = checkpointer.save(loop_state(self.run_id, server_round, self.weights, self.strategy.state_dict(), everything))
+        self.runlog.log_checkpoint(run_id=self.run_id, round=server_round, uri=info.uri)
+        self.runlog.log_event(run_id=self.run_id, kind="checkpoint", round=server_round,
+                              detail={"uri": info.uri, "bytes": info.size})
+        return True
 
     def save_final_weights(self) -> None:
         if self.run_dir is not None:

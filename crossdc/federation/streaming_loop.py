@@ -37,10 +37,10 @@ from crossdc.db.runlog import RunLog
 from crossdc.experiment.config import ExperimentConfig
 from crossdc.experiment.rundir import RunDir
 from crossdc.federation.grid_io import FederationError, collect_replies
-from crossdc.federation.server_checkpoint import SETTINGS_ATTEMPT
+from crossdc.federation.server_checkpoint import SETTINGS_ATTEMPT, SETTINGS_RESUME, ServerCheckpointer
 from crossdc.federation.session import merge_rows
 from crossdc.federation.sync_loop import MAX_ROUNDS_WITHOUT_UPDATES, start_session
-from crossdc.protocol import CONFIG_KEY, FRAGMENT_UPDATE_KEY, encode_tensors, payload_bytes
+from crossdc.protocol import CONFIG_KEY, encode_results, encode_tensors, payload_bytes
 from crossdc.strategies.base import StrategyError
 from crossdc.strategies.streaming_diloco import StreamingDiLoCo
 
@@ -58,26 +58,46 @@ def run_streaming(grid: Grid, run_dir: RunDir, run_id: str, config: ExperimentCo
     eager = bool(strategy.params["eager"])
     needed = config.run.min_replies or len(nodes)
     timeout_s = config.run.round_timeout_s
-    attempt = int(run_dir.settings().get(SETTINGS_ATTEMPT, 1))
+    settings = run_dir.settings()
+    attempt = int(settings.get(SETTINGS_ATTEMPT, 1))
+    checkpointer = ServerCheckpointer.from_settings(settings, config.checkpoint.every_rounds, config.checkpoint.keep,
+                                                    config.run.rounds)
     run_started = time.perf_counter()
-    results: dict[int, dict[str, np.ndarray]] = {}  # the server's result of each exchange (the next message's load)
-    pushed: dict[int, float] = {}  # when each exchange's messages were posted (wall-clock, for durations only)
+    # the server's results of exchanges a datacenter may still need (the next message's load; on a resume, the
+    # first message's)
+    results: dict[int, dict[str, np.ndarray]] = {}
     exchanges_without_updates = 0
+    first_round = 1
+    if settings.get(SETTINGS_RESUME):
+        last_round, carried = session.resume(checkpointer, attempt, nodes)
+        first_round = last_round + 1
+        exchanges_without_updates = carried["exchanges_without_updates"]
+        results = {int(k): v for k, v in carried["results"].items()}
+    first_exchange = schedule.exchange(first_round, 0)
+    pushed: dict[int, float] = {}  # when each exchange's messages were posted (wall-clock, for durations only)
     round_rows: dict[str, list[DatacenterRoundRecord]] = {}
     round_started, bytes_down_round = time.perf_counter(), 0
-    for exchange in range(1, config.run.rounds * schedule.fragments + 1):
+    for exchange in range(first_exchange, config.run.rounds * schedule.fragments + 1):
         server_round, fragment = schedule.locate(exchange)
         names = plan.fragments[fragment]
         if fragment == 0:
             round_rows, round_started, bytes_down_round = {name: [] for name in nodes}, time.perf_counter(), 0
-        records = (encode_tensors(session.weights) if exchange == 1
-                   else encode_tensors(results[exchange - 1], FRAGMENT_UPDATE_KEY))
+        if exchange == 1:
+            results_of: list[int] = []
+            records = encode_tensors(session.weights)
+        else:  # the previous exchange's result; a resumed attempt's first message, all a datacenter still needs
+            results_of = ([exchange - 1] if exchange > first_exchange
+                          else schedule.results_needed_after(exchange - 1, eager))
+            records = encode_results({k: results[k] for k in results_of})
         messages: dict[str, Message] = {}
         bytes_down: dict[str, int] = {}
         for name, node in nodes.items():
-            cfg = protocol.stream_config(exchange=exchange, server_round=server_round, tau=schedule.steps_per_round,
-                                         run_id=run_id, run_dir=str(run_dir.path), datacenter=name,
-                                         update_of=exchange - 1 if exchange > 1 else None, attempt=attempt)
+            cfg = protocol.stream_config(
+                exchange=exchange, server_round=server_round, tau=schedule.steps_per_round, run_id=run_id,
+                run_dir=str(run_dir.path), datacenter=name, results_of=results_of, attempt=attempt,
+                # the datacenter keeps the replica states a resume to the oldest retained checkpoint needs
+                checkpoint_round=checkpointer.oldest_round if checkpointer is not None else None,
+                resume_round=first_round - 1 if attempt > 1 else None)
             content = RecordDict({**records, CONFIG_KEY: ConfigRecord(cfg)})
             # the TTL covers the message's wait in the node's queue and the time its ClientApp blocks for the send
             messages[name] = Message(content, dst_node_id=node, message_type=MessageType.TRAIN, ttl=timeout_s)
@@ -90,7 +110,7 @@ def run_streaming(grid: Grid, run_dir: RunDir, run_id: str, config: ExperimentCo
         reason = f"no reply within the exchange's {timeout_s:g}s (fixed run.round_timeout_s)"
         # a trainer cannot have passed the merge that needed an earlier message before that message was posted: the
         # compute since its previous send began after the push of exchange k − 1 (eager: k − 1 − P)
-        since = pushed[max(1, exchange - 1 - (schedule.fragments if eager else 0))]
+        since = pushed.get(max(first_exchange, exchange - 1 - (schedule.fragments if eager else 0)), pushed_at)
         judged = {name: session.judge(name, replies.get(id_of[name]), schedule.spacing, pushed_at, reason, reference,
                                       compute_since=since) for name in nodes}
         session.reject_outliers(judged)
@@ -110,8 +130,9 @@ def run_streaming(grid: Grid, run_dir: RunDir, run_id: str, config: ExperimentCo
             exchanges_without_updates += 1
             runlog.log_event(run_id=run_id, kind="round-without-updates", round=server_round,
                              detail=f"exchange {exchange} (fragment {fragment}): no usable update; the fragment is unchanged")
-        results.pop(exchange - 1, None)
         results[exchange] = strategy.exchange_result({n: session.weights[n] for n in names}, mean)
+        kept = set(schedule.results_needed_after(exchange, eager))
+        results = {k: v for k, v in results.items() if k in kept}
         for name, outcome in judged.items():
             record = session.finish_record(name, outcome, pushed_at, bytes_down=bytes_down[name],
                                            update_cosine=cosines.get(name))
@@ -140,5 +161,9 @@ def run_streaming(grid: Grid, run_dir: RunDir, run_id: str, config: ExperimentCo
             session.log_round(server_round, schedule.steps_per_round, merged, bytes_down_round,
                               time.perf_counter() - round_started, eval_s)
             session.check_run_log(f"round-{server_round}")
+            if checkpointer is not None and checkpointer.due(server_round):
+                # every datacenter saved its replica after this send; what is in flight is `results`
+                session.checkpoint(checkpointer, server_round,
+                                   {"exchanges_without_updates": exchanges_without_updates, "results": results})
     session.save_final_weights()
     return session.summary(time.perf_counter() - run_started, fragments=schedule.fragments)

@@ -31,13 +31,12 @@ from flwr.app import Message, MessageType
 from flwr.serverapp import Grid
 
 from crossdc import protocol
-from crossdc.db.errors import DatabaseUnavailable
 from crossdc.db.runlog import RunLog
 from crossdc.experiment.config import ExperimentConfig, parse_config
 from crossdc.experiment.rundir import RunDir
 from crossdc.federation.deadline import round_deadline
 from crossdc.federation.grid_io import FederationError, collect_replies, discover_datacenters, rediscover
-from crossdc.federation.server_checkpoint import SETTINGS_ATTEMPT, SETTINGS_RESUME, ResumeError, ServerCheckpointer, loop_state, restore_rng
+from crossdc.federation.server_checkpoint import SETTINGS_ATTEMPT, SETTINGS_RESUME, ServerCheckpointer
 from crossdc.federation.session import RoundSession
 from crossdc.protocol import payload_bytes
 from crossdc.strategies.base import Strategy
@@ -120,24 +119,10 @@ def _run(grid: Grid, run_dir: RunDir, run_id: str, config: ExperimentConfig, run
     round_times: dict[str, list[float]] = {name: [] for name in nodes}  # per datacenter, its completed rounds' seconds
     first_round = 1
     if settings.get(SETTINGS_RESUME):
-        if checkpointer is None:
-            raise ResumeError("the run has no checkpoints ([checkpoint] every_rounds = 0): nothing to resume from")
-        info, state = checkpointer.load_latest(run_id)
-        first_round = int(state["round"]) + 1
-        session.weights = state["weights"]
-        strategy.load_state_dict(state["strategy"])
-        carried = state["carried"]
-        session.val_loss, session.val_accuracy = carried["val_loss"], carried["val_accuracy"]
+        last_round, carried = session.resume(checkpointer, attempt, nodes)
+        first_round = last_round + 1
         rounds_without_updates = carried["rounds_without_updates"]
-        session.totals = dict(carried["totals"])
-        if session.downlink is not None and carried.get("downlink") is not None:
-            session.downlink.load_state_dict(carried["downlink"])
         round_times.update({name: list(times) for name, times in carried.get("round_times", {}).items() if name in round_times})
-        session.worker_pids.update({name: list(pids) for name, pids in carried["worker_pids"].items() if name in nodes})
-        restore_rng(state["rng"])
-        runlog.forget_rounds_after(run_id=run_id, round=first_round - 1)
-        runlog.log_event(run_id=run_id, kind="resumed", round=first_round - 1,
-                         detail={"checkpoint": info.uri, "attempt": attempt, "next_round": first_round})
     for server_round in range(first_round, config.run.rounds + 1):
         round_started = time.perf_counter()
         if server_round > 1:
@@ -214,17 +199,7 @@ def _run(grid: Grid, run_dir: RunDir, run_id: str, config: ExperimentConfig, run
             raise FederationError(f"{rounds_without_updates} rounds in a row without one usable update; see the events")
         session.check_run_log(f"round-{server_round}")
         if checkpointer is not None and checkpointer.due(server_round):
-            try:  # a checkpoint only once the rounds it covers are in the run log (a resume never re-runs them)
-                runlog.flush(timeout=60)
-            except (TimeoutError, DatabaseUnavailable) as err:
-                log.warning("round %d: no checkpoint, the run log is not written yet (%s)", server_round, err)
-                continue
-            carried = {"val_loss": session.val_loss, "val_accuracy": session.val_accuracy,
-                       "rounds_without_updates": rounds_without_updates, "totals": dict(session.totals),
-                       "worker_pids": session.worker_pids, "round_times": round_times,
-                       "downlink": session.downlink.state_dict() if session.downlink is not None else None}
-            info = checkpointer.save(loop_state(run_id, server_round, session.weights, strategy.state_dict(), carried))
-            runlog.log_checkpoint(run_id=run_id, round=server_round, uri=info.uri)
-            runlog.log_event(run_id=run_id, kind="checkpoint", round=server_round, detail={"uri": info.uri, "bytes": info.size})
+            session.checkpoint(checkpointer, server_round,
+                               {"rounds_without_updates": rounds_without_updates, "round_times": round_times})
     session.save_final_weights()
     return session.summary(time.perf_counter() - run_started)

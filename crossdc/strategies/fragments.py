@@ -157,7 +157,31 @@ class FragmentSchedule:
             server_round, fragment = self.locate(k)
             items.append(Event(self.send_step(k), SEND, k, fragment, server_round))
             items.append(Event(self.merge_step(k), MERGE, k, fragment, server_round))
-        yield from sorted(items, key=lambda e: (e.step, e.exchange - 0.5 if e.kind == SEND else e.exchange))
+        yield from sorted(items, key=_order)
+
+    def events_after_send(self, last_exchange: int, sent: int) -> Iterator[Event]:
+        """The events of exchanges up to `last_exchange` a datacenter still meets once it has sent exchange `sent`
+        (0: every event), in :meth:`events`' order: where a replica restored from its state after that send goes on."""
+        if sent < 1:
+            yield from self.events(last_exchange)
+            return
+        position = (self.send_step(sent), sent - 0.5)  # the send's place in _order
+        first = max(1, sent - self.fragments)  # a merge of an earlier exchange may follow, τ_o ≤ H/P steps later
+        yield from (event for event in self.events(last_exchange, first) if _order(event) > position)
+
+    def results_needed_after(self, sent: int, eager: bool) -> list[int]:
+        """The exchanges (≤ `sent`) whose server results a datacenter still needs once it has sent exchange `sent`:
+        its own (eager off; merged τ_o steps later), or the P + 1 latest (eager on: a merge uses the result of the
+        fragment's previous exchange)."""
+        if sent < 1:
+            return []
+        return list(range(max(1, sent - self.fragments), sent + 1)) if eager else [sent]
+
+
+def _order(event: Event) -> tuple[int, float]:
+    """Where an event falls in a datacenter's sequence: by step; at one step, by exchange, a send before the merge of
+    the same exchange and after the merge of an earlier one."""
+    return event.step, event.exchange - 0.5 if event.kind == SEND else float(event.exchange)
 
 
 def mix(global_values: Arrays, local_values: Arrays, alpha: float) -> dict[str, np.ndarray]:
