@@ -78,11 +78,10 @@ from crossdc.testing.inprocess import InProcessFederation
 from crossdc.wan.cost_model import (
     CROSSDC_RECORDS_PER_MESSAGE,
     StarPlan,
-    flower_message_pair_time,
+    link_message_pair_time,
     ring_allreduce_time,
     star_round,
     sync_dp_step,
-    transfer_time,
     uniform_datacenters,
 )
 
@@ -250,8 +249,7 @@ def run_single_datacenter(size: Size, kind: str, root: Path) -> dict[str, Any]:
 
 def link_seconds(bytes_down: int, bytes_up: int, tensors: int, records: int, link: LinkSpec) -> float:
     """One datacenter's link time for a round: its message pair as the cost model moves it over `link`."""
-    return flower_message_pair_time(bytes_down, bytes_up, link.rtt_ms / 1000.0, transfer_time(bytes_down, link.bandwidth_mbps),
-                                    transfer_time(bytes_up, link.bandwidth_mbps), tensors, records)
+    return link_message_pair_time(bytes_down, bytes_up, link, tensors, records)
 
 
 def timeline(rounds: list[dict[str, Any]], link: LinkSpec, tensors: int, records: int = CROSSDC_RECORDS_PER_MESSAGE) -> dict[str, Any]:

@@ -18,13 +18,16 @@ from crossdc.wan.cost_model import (
     StarPlan,
     compression_for_ratio,
     flower_message_objects,
+    flower_message_pair_time,
     flower_objects_per_message,
     flower_objects_time,
     flower_round_trips,
     gloo_ring_allreduce_time,
+    link_message_pair_time,
     resolve_link,
     ring_allreduce_time,
     star_round,
+    streaming_exchange_idle,
     sync_dp_step,
     tau_for_ratio,
     transfer_time,
@@ -325,3 +328,35 @@ def test_gloo_ring_all_reduce_notice_waits_behind_the_segment_being_sent() -> No
     # and it is never faster than the textbook ring
     for size in (4096, 1 << 20, 8 << 20):
         assert gloo_ring_allreduce_time(size, 4, 100.0, 150.0) >= ring_allreduce_time(size, 4, 100.0, 150.0)
+
+
+# ----------------------------------------------------------------------------- streaming overlap
+
+
+def test_streaming_idle_per_exchange_by_hand() -> None:
+    # a cycle of 2 s, 0.1 s a step, H = 24 inner steps a round
+    assert streaming_exchange_idle(2.0, 0.1, 24) == pytest.approx(2.0)  # DiLoCo: the whole cycle is exposed
+    assert streaming_exchange_idle(2.0, 0.1, 24, fragments=4, overlap=0) == pytest.approx(2.0)
+    assert streaming_exchange_idle(2.0, 0.1, 24, fragments=4, overlap=2) == pytest.approx(2.0 - 0.2)
+    assert streaming_exchange_idle(2.0, 0.1, 24, fragments=4, overlap=6) == pytest.approx(2.0 - 0.6)  # τ_o = H/P
+    assert streaming_exchange_idle(2.0, 0.1, 24, fragments=1, overlap=24) == pytest.approx(0.0)  # 2.4 s hides 2 s
+    # eager: the merge waits H + τ_o steps, but one exchange a cycle caps the hidden compute at H/P steps
+    assert streaming_exchange_idle(2.0, 0.1, 24, fragments=4, overlap=2, eager=True) == pytest.approx(2.0 - 0.6)
+    assert streaming_exchange_idle(2.0, 0.1, 24, fragments=1, overlap=0, eager=True) == pytest.approx(0.0)
+    assert streaming_exchange_idle(3.0, 0.1, 24, fragments=1, overlap=0, eager=True) == pytest.approx(0.6)
+    assert streaming_exchange_idle(0.5, 0.1, 24, fragments=4, overlap=6) == 0.0  # compute covers the cycle
+    with pytest.raises(CostModelError, match="multiple of the fragments"):
+        streaming_exchange_idle(1.0, 0.1, 10, fragments=4)
+    with pytest.raises(CostModelError, match=r"within \[0, H/P = 6\]"):
+        streaming_exchange_idle(1.0, 0.1, 24, fragments=4, overlap=7)
+    with pytest.raises(CostModelError, match="cycle"):
+        streaming_exchange_idle(-1.0, 0.1, 24)
+
+
+def test_link_message_pair_time_is_the_pair_at_the_links_bandwidth() -> None:
+    link = LinkSpec("test", bandwidth_mbps=8.0, rtt_ms=100.0)  # 1 MB/s, 0.1 s a round trip
+    # each way the chunk on one connection (RTT + its bytes), the 6 small objects on the other: 3 RTTs + 1.1 + 0.6
+    assert link_message_pair_time(1_000_000, 500_000, link) == pytest.approx(0.3 + 1.1 + 0.6)
+    assert link_message_pair_time(1_000_000, 500_000, link) == flower_message_pair_time(1_000_000, 500_000, 0.1, 1.0, 0.5)
+    assert link_message_pair_time(0, 0, "transoceanic") == pytest.approx(9 * 0.15)  # 3 fixed + 3 + 3 object RTTs
+

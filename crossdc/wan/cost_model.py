@@ -6,7 +6,7 @@ compression), predict where a round's time goes, in the vocabulary of
 docs/glossary.md: `compute_s`, `comm_s`, the comm/comp
 ratio `comm_s / compute_s` (alert above 0.1) and utilisation.
 
-Two regimes are modelled.
+Two regimes are modelled, and the overlap of a streaming run (3.).
 
 1. **Synchronous data parallel across datacenters** (the baseline crossdc is
    built to beat): fp32 gradients of S = 4·P bytes are averaged every step by
@@ -51,12 +51,27 @@ Two regimes are modelled.
    max(bytes/B_i, N·bytes/C): it cannot end before all N payloads have crossed
    the coordinator's link (exact for identical datacenters uploading at once).
 
+3. **Streaming DiLoCo's overlap** (`streaming_exchange_idle`): a round of H
+   inner steps holds P exchanges, one every H/P steps; each exchange takes one
+   cycle c (its reply up, the next message down: `link_message_pair_time` for
+   the links). A datacenter merges exchange k's result τ_o steps after sending
+   it (eager on: the result of the fragment's previous exchange, H + τ_o steps
+   after that one was sent), and the deployed loop has one exchange per
+   datacenter in flight, so at most one exchange completes per cycle. In
+   steady state a datacenter then waits, per exchange,
+
+       idle = max(0, c − min(covered, H/P) · t_step),
+       covered = τ_o (eager off), H + τ_o (eager on)
+
+   DiLoCo is P = 1, τ_o = 0, eager off: idle = c, the round's whole exchange.
+
 What is not modelled: TCP's window growth on a new connection and slow start
 after an idle phase (a few RTTs on a connection's first large transfers),
 window limits (throughput ≤ window/RTT), packet loss,
 (de)serialisation, Flower's 3 s idle polling and ClientApp start-up (those
-belong in `overhead_s`, which defaults to 0), and compute/communication
-overlap in either regime.
+belong in `overhead_s`, which defaults to 0), compute/communication
+overlap in regimes 1 and 2, and in 3 the first round's transient (eager's
+first merges need no server result) and datacenters of different speeds.
 
 Units: bandwidth in Mbps (10^6 bit/s), RTT in ms, sizes in bytes, times in s.
 """
@@ -351,6 +366,45 @@ def flower_message_pair_time(bytes_down: float, bytes_up: float, rtt_s: float, t
     return (FLOWER_FIXED_EXCHANGES_PER_MESSAGE * (rtt_s + request_s)
             + flower_objects_time(down, rtt_s, transfer_down_s / bytes_down if bytes_down else 0.0, request_s=request_s)
             + flower_objects_time(up, rtt_s, transfer_up_s / bytes_up if bytes_up else 0.0, request_s=request_s))
+
+
+def link_message_pair_time(bytes_down: float, bytes_up: float, link: str | LinkSpec, tensors: int = 1,
+                           records: int = CROSSDC_RECORDS_PER_MESSAGE, request_s: float = 0.0) -> float:
+    """Seconds one datacenter's `link` (a profile name or spec) spends on a message pair of these payloads:
+    `flower_message_pair_time` with each direction's transfer at the link's bandwidth."""
+    spec = resolve_link(link)
+    return flower_message_pair_time(bytes_down, bytes_up, spec.rtt_ms / 1000.0,
+                                    transfer_time(bytes_down, spec.bandwidth_mbps),
+                                    transfer_time(bytes_up, spec.bandwidth_mbps), tensors, records, request_s)
+
+
+# ----------------------------------------------------------------------------- streaming overlap
+
+
+def streaming_exchange_idle(cycle_s: float, step_time_s: float, steps_per_round: int, fragments: int = 1,
+                            overlap: int = 0, eager: bool = False) -> float:
+    """Seconds a datacenter of a streaming run waits per exchange, in steady state (regime 3 of the module docstring):
+
+        idle = max(0, cycle_s − min(covered, H/P) · t_step),  covered = τ_o (eager off), H + τ_o (eager on)
+
+    `cycle_s` is one exchange's cycle (reply up, next message down, the wait for the others), `steps_per_round`
+    H, `fragments` P, `overlap` τ_o ≤ H/P. The compute that can hide a cycle is the τ_o steps between a send and
+    its merge, or with eager the H + τ_o steps until the merge that needs it; but one exchange completes per cycle
+    and the trainers start one every H/P steps, so no more than H/P steps' compute hides each cycle. DiLoCo
+    (P = 1, τ_o = 0, eager off) waits the whole cycle."""
+    _non_negative("cycle (s)", cycle_s)
+    _non_negative("step time (s)", step_time_s)
+    _positive_int("inner steps per round", steps_per_round)
+    _positive_int("fragments", fragments)
+    _non_negative_int("overlap", overlap)
+    if steps_per_round % fragments:
+        raise CostModelError(f"the inner steps per round ({steps_per_round}) must be a multiple of the fragments "
+                             f"({fragments})")
+    spacing = steps_per_round // fragments
+    if overlap > spacing:
+        raise CostModelError(f"overlap {overlap} must be within [0, H/P = {spacing}]")
+    covered = overlap + (steps_per_round if eager else 0)
+    return max(0.0, cycle_s - min(covered, spacing) * step_time_s)
 
 
 # ----------------------------------------------------------------------------- crossdc's star
@@ -670,7 +724,8 @@ def _non_negative_int(what: str, value: int) -> None:
 __all__ = [
     "BYTES_PER_FP32", "DEFAULT_TARGET_RATIO", "FLOWER_CHUNK_BYTES", "FLOWER_OBJECT_CONCURRENCY",
     "CostModelError", "Datacenter", "DatacenterEstimate", "RoundEstimate", "StarPlan", "SyncDPEstimate",
-    "compression_for_ratio", "flower_objects_per_message", "flower_round_trips", "resolve_link",
-    "ring_allreduce_time", "star_round", "sync_dp_step", "tau_for_ratio", "transfer_time",
+    "compression_for_ratio", "flower_objects_per_message", "flower_round_trips", "link_message_pair_time",
+    "resolve_link", "ring_allreduce_time", "star_round", "streaming_exchange_idle", "sync_dp_step", "tau_for_ratio",
+    "transfer_time",
     "uniform_datacenters",
 ]
