@@ -39,7 +39,8 @@ from crossdc.dashboard.queries import (
 )
 from crossdc.db.engine import head_revisions, make_engine, upgrade
 from crossdc.db.models import RUNS
-from crossdc.db.queries import list_async_updates, list_events
+from crossdc.db.queries import list_async_updates, list_events, list_timeline_spans
+from crossdc.db.records import TimelineSpanRecord
 from crossdc.db.runlog import RunLog
 from crossdc.experiment.processes import free_port, wait_for_port
 
@@ -50,6 +51,7 @@ ROUND_FIELDS = {"round", "tau", "val_loss", "val_accuracy", "bytes_up", "bytes_d
 DC_ROUND_FIELDS = {"round", "datacenter", "status", "reason", "bytes_up", "bytes_down", "bytes_up_raw", "compute_s",
                    "comm_s", "overhead_s", "idle_s", "train_loss", "num_examples", "drift_l2", "update_cosine", "staleness",
                    "round_s", "comm_source", "link_bytes_up", "link_bytes_down"}
+TIMELINE_FIELDS = {"round", "datacenter", "kind", "start_s", "end_s", "fragment", "exchange"}
 
 
 # ---------------------------------------------------------------- fixtures
@@ -116,11 +118,13 @@ def write_runs(db_url: str) -> dict[str, str]:
                           config={"datacenters": [{"name": dc} for dc in LONG_DCS]})
             for r in range(1, rounds + 1):
                 for i, dc in enumerate(LONG_DCS):
-                    log.log_datacenter_round(run_id=run_id, round=r, datacenter=dc, status="ok" if (r + i) % 5 else "timeout",
-                                             reason=None if (r + i) % 5 else "no reply", bytes_up=100 + i, bytes_down=200,
+                    ok = bool((r + i) % 5)
+                    # idle_s: 1/8 s of waiting a round where the reply was accepted (what the exposed comm/comp counts)
+                    log.log_datacenter_round(run_id=run_id, round=r, datacenter=dc, status="ok" if ok else "timeout",
+                                             reason=None if ok else "no reply", bytes_up=100 + i, bytes_down=200,
                                              bytes_up_raw=400, compute_s=1.0 + i, comm_s=0.25, overhead_s=0.5,
-                                             train_loss=1.0 / r, num_examples=32, drift_l2=0.1 * i, update_cosine=0.9,
-                                             staleness=0)
+                                             idle_s=0.125 if ok else 5.0, train_loss=1.0 / r, num_examples=32,
+                                             drift_l2=0.1 * i, update_cosine=0.9, staleness=0)
                 diverged = role == "diverged" and r == rounds
                 log.log_round(run_id=run_id, round=r, tau=2, bytes_up=300, bytes_down=600, bytes_up_raw=1200, wall_s=wall_s,
                               val_loss=float("nan") if diverged else (1.0 / r if r % 2 == 0 else None),
@@ -131,6 +135,15 @@ def write_runs(db_url: str) -> dict[str, str]:
                                error=None if role == "long" else "validation loss nan\nsecond line")
         for k in range(9):
             log.log_event(run_id=ids["long"], kind="timeout", round=k, datacenter="dc-b", detail={"k": k})
+        # the long run's timeline: per datacenter and round, 1 + i s of compute, then its update up and the result down
+        for r in range(1, LONG_ROUNDS + 1):
+            t = 2.0 * (r - 1)
+            log.log_timeline_spans(run_id=ids["long"], spans=[
+                TimelineSpanRecord(round=r, datacenter=dc, kind=kind, start_s=t + start, end_s=t + end, fragment=fragment,
+                                   exchange=r if fragment is not None else None)
+                for i, dc in enumerate(LONG_DCS)
+                for kind, start, end, fragment in (("compute", 0.0, 1.0 + i * 0.25, None), ("up", 1.0 + i * 0.25, 1.75, i),
+                                                   ("down", 1.75, 2.0, i))])
         for seq in range(13):
             log.log_async_update(run_id=ids["long"], seq=seq, datacenter=LONG_DCS[seq % 3], base_version=seq,
                                  applied_version=seq + 1, staleness=seq % 4, scale=1.0 / (1 + seq % 4), status="applied",
@@ -279,10 +292,11 @@ def test_openapi_schema_and_docs(served: Served) -> None:
     schema = strict_json(served.get("/openapi.json"))
     for path in ("/api/health", "/api/runs", "/api/runs/{run_id}", "/api/runs/{run_id}/rounds",
                  "/api/runs/{run_id}/datacenter-rounds", "/api/runs/{run_id}/events", "/api/runs/{run_id}/async-updates",
-                 "/api/datacenters", "/api/strategies", "/metrics"):
+                 "/api/runs/{run_id}/timeline", "/api/datacenters", "/api/strategies", "/metrics"):
         assert path in schema["paths"], path
     row = schema["components"]["schemas"]["DatacenterRoundRow"]["properties"]
     assert DC_ROUND_FIELDS <= set(row)
+    assert set(schema["components"]["schemas"]["TimelineSpanRow"]["properties"]) == TIMELINE_FIELDS
     docs = served.get("/docs")
     assert docs.status_code == 200 and "openapi.json" in docs.text
     # Swagger UI comes from this server, not a CDN (none is reachable from the machines it runs on)
@@ -344,6 +358,55 @@ def test_polling_a_live_run_never_skips_a_round_still_being_written(served: Serv
     assert [r["round"] for r in rounds["items"]] == [3]
 
 
+def test_the_timeline_is_the_newest_spans_by_datacenter_then_start(served: Served) -> None:
+    path = f"/api/runs/{served.long_run}/timeline"
+    engine = make_engine(served.db_url)
+    try:
+        logged = [{k: v for k, v in s.items() if k not in ("id", "run_id")} for s in list_timeline_spans(engine, served.long_run)]
+    finally:
+        engine.dispose()
+    whole = strict_json(served.get(path))
+    assert whole["run_id"] == served.long_run and whole["limit"] == 1000 and whole["truncated"] is False
+    assert whole["items"] == logged and len(logged) == LONG_ROUNDS * len(LONG_DCS) * 3
+    assert all(set(item) == TIMELINE_FIELDS for item in whole["items"])
+    assert [(s["datacenter"], s["start_s"]) for s in whole["items"]] == sorted((s["datacenter"], s["start_s"]) for s in logged)
+    first = whole["items"][0]
+    assert first == {"round": 1, "datacenter": "dc-a", "kind": "compute", "start_s": 0.0, "end_s": 1.0, "fragment": None,
+                     "exchange": None}
+    # the newest 4: the last round's downs (start 45.75 s) and dc-c's up (45.5 s)
+    newest = strict_json(served.get(path, limit=4))
+    assert newest["truncated"] is True and newest["limit"] == 4
+    assert [(s["datacenter"], s["kind"], s["start_s"]) for s in newest["items"]] == [
+        ("dc-a", "down", 45.75), ("dc-b", "down", 45.75), ("dc-c", "up", 45.5), ("dc-c", "down", 45.75)]
+    one = strict_json(served.get(path, datacenter="dc-b", limit=2))
+    assert one["datacenter"] == "dc-b" and one["truncated"] is True
+    assert [(s["round"], s["kind"], s["fragment"], s["exchange"]) for s in one["items"]] == [
+        (LONG_ROUNDS, "up", 1, LONG_ROUNDS), (LONG_ROUNDS, "down", 1, LONG_ROUNDS)]
+    assert strict_json(served.get(path, datacenter="nowhere"))["items"] == []
+    real = strict_json(served.get(f"/api/runs/{served.real_run['run_id']}/timeline"))
+    assert (real["items"], real["truncated"]) == ([], False)  # a synchronous run records no timeline (yet)
+
+
+def test_the_run_page_shows_the_timeline_and_the_exposed_comm_comp(served: Served) -> None:
+    long_page = served.get(f"/runs/{served.long_run}")
+    assert long_page.status_code == 200
+    assert 'id="fig-timeline"' in long_page.text and 'id="fig-exposed-comm-comp"' in long_page.text
+    assert "No timeline recorded" not in long_page.text
+    figures = strict_json(served.get(f"/runs/{served.long_run}/live.json"))["figures"]
+    assert [t["name"] for t in figures["fig-timeline"]["data"]] == ["compute", "up", "down"]
+    assert sum(len(t["y"]) for t in figures["fig-timeline"]["data"]) == LONG_ROUNDS * len(LONG_DCS) * 3
+    exposed = figures["fig-exposed-comm-comp"]["data"][0]
+    # idle over compute of the accepted rounds only (a timeout row's 5 s of idle is left out): 1/8, 1/16, 1/24
+    assert exposed["x"] == list(LONG_DCS) and exposed["text"] == ["0.125 ⚠", "0.0625", "0.0417"]
+    row = re.search(r'<tr data-datacenter="dc-a">.*?</tr>', long_page.text, re.S)
+    assert row is not None
+    cells = re.findall(r'<td class="num (exposed|utilisation) alert">([^<]*)</td>', row.group(0))
+    assert cells == [("exposed", "0.125"), ("utilisation", "88.9 %")]
+    real_page = served.get(f"/runs/{served.real_run['run_id']}")
+    assert real_page.status_code == 200 and 'id="fig-timeline"' not in real_page.text
+    assert "No timeline recorded" in real_page.text and 'id="fig-exposed-comm-comp"' in real_page.text
+
+
 # ------------------------------------------------------------ status rules
 
 
@@ -374,7 +437,7 @@ def test_non_finite_numbers_are_null(served: Served) -> None:
 # ------------------------------------------------------------------ errors
 
 
-@pytest.mark.parametrize("suffix", ["", "/rounds", "/datacenter-rounds", "/events", "/async-updates"])
+@pytest.mark.parametrize("suffix", ["", "/rounds", "/datacenter-rounds", "/events", "/async-updates", "/timeline"])
 def test_unknown_run_is_404_json(served: Served, suffix: str) -> None:
     for run_id in ("nosuchrun", "x" * 300, "a%00b", "%F0%9F%98%80"):
         response = httpx.get(f"{served.base}/api/runs/{run_id}{suffix}", timeout=30)
@@ -388,7 +451,8 @@ def test_unknown_run_is_404_json(served: Served, suffix: str) -> None:
     ("/rounds", {"limit": 0}), ("/rounds", {"limit": 5001}), ("/rounds", {"since_round": -1}),
     ("/rounds", {"since_round": "abc"}), ("/rounds", {"since_round": 2**40}),
     ("/datacenter-rounds", {"limit": "1.5"}), ("/events", {"since_id": 2**70}), ("/async-updates", {"since_seq": "x"}),
-    ("", {}),
+    ("/timeline", {"limit": 0}), ("/timeline", {"limit": 5001}), ("/timeline", {"limit": "all"}),
+    ("/timeline", {"datacenter": "x" * 300}), ("", {}),
 ])
 def test_bad_query_parameters_are_422(served: Served, path: str, params: dict[str, Any]) -> None:
     if not path:  # the runs list's own parameters
@@ -418,6 +482,16 @@ def test_metrics_parse_and_report_every_datacenter(served: Served) -> None:
     assert {(run_id, "us-east"), (run_id, "eu-west")} <= set(ratios)
     assert all(v >= 0 and math.isfinite(v) for v in ratios.values())
     assert ratios[(served.long_run, "dc-a")] == pytest.approx(0.25 / 1.0)
+    exposed = {(labels["run_id"], labels["datacenter"]): v
+               for labels, v in families["crossdc_datacenter_exposed_comm_comp_ratio"]}
+    utilisation = {(labels["run_id"], labels["datacenter"]): v
+                   for labels, v in families["crossdc_datacenter_trainer_utilisation"]}
+    # accepted rounds only: 1/8 s of idle per 1 + i s of compute (a timeout row's 5 s of idle is left out)
+    assert [exposed[(served.long_run, dc)] for dc in LONG_DCS] == pytest.approx([0.125, 0.0625, 0.125 / 3])
+    assert [utilisation[(served.long_run, dc)] for dc in LONG_DCS] == pytest.approx([1 / 1.125, 2 / 2.125, 3 / 3.125])
+    for dc in ("us-east", "eu-west"):  # the real run measured its trainers' waits
+        assert exposed[(run_id, dc)] >= 0 and 0 < utilisation[(run_id, dc)] <= 1
+        assert utilisation[(run_id, dc)] == pytest.approx(1 / (1 + exposed[(run_id, dc)]))
     seen = {labels["datacenter"]: v for labels, v in families["crossdc_datacenter_last_seen_age_seconds"]}
     assert {"us-east", "eu-west"} <= set(seen) and all(v >= 0 for v in seen.values())
     statuses = {labels["status"] for labels, _ in families["crossdc_run_info"] if labels["run_id"] == served.dead_run}
@@ -502,6 +576,7 @@ def test_prometheus_text_escapes_label_values() -> None:
     families = parse_prometheus(prometheus.render(prometheus.crossdc_families(snapshot)))
     assert families["crossdc_run_info"][0][0]["name"] == odd
     assert families["crossdc_datacenter_comm_comp_ratio"] == [({"run_id": "r", "datacenter": odd}, 0.25)]
+    assert "crossdc_datacenter_exposed_comm_comp_ratio" not in families  # idle_s not measured: no sample
     assert families["crossdc_run_bytes_up_total"] == [({"run_id": "r"}, float(2**60))]
     assert ({"run_id": "r", "datacenter": "idle", "status": "timeout"}, 1.0) in families["crossdc_datacenter_rounds"]
 

@@ -42,7 +42,7 @@ CHROMIUM = "/usr/bin/chromium"
 CHROMIUM_ARGS = ["--no-sandbox", "--disable-gpu", "--disable-background-networking"]
 RUN_PAGE_FIGURES = [FIGURE_IDS[k] for k in (
     "loss_vs_round", "loss_vs_bytes", "loss_vs_wall_time", "tau_schedule", "bytes_per_round",
-    "time_breakdown", "comm_comp_ratio", "drift_per_datacenter")]
+    "time_breakdown", "comm_comp_ratio", "exposed_comm_comp_ratio", "drift_per_datacenter")]
 #: only on the page of a run with staleness (an asynchronous one)
 STALENESS_FIGURES = [FIGURE_IDS["staleness_histogram"], FIGURE_IDS["staleness_over_time"]]
 

@@ -26,6 +26,7 @@ from sqlalchemy import update
 from crossdc.dashboard.app import create_app
 from crossdc.db.engine import make_engine, upgrade
 from crossdc.db.models import RUNS
+from crossdc.db.records import TimelineSpanRecord
 from crossdc.db.runlog import RunLog
 from crossdc.db.security import create_token
 from crossdc.deployment.superlink_control import SuperLinkControl
@@ -51,6 +52,10 @@ def seed(db_url: str) -> None:
                               val_accuracy=float("-inf") if r == 4 else 0.5, bytes_up=1, bytes_down=2, bytes_up_raw=4,
                               wall_s=float("nan") if r == 2 else 1.0)
                 log.heartbeat(run_id=run_id)
+            log.log_timeline_spans(run_id=run_id, spans=[
+                TimelineSpanRecord(round=r, datacenter=dc, kind=kind, start_s=2.0 * r, end_s=2.0 * r + 1.5,
+                                   fragment=0 if kind in ("up", "down") else None, exchange=r if kind == "up" else None)
+                for r in range(1, 5) for dc in ("eu-west", "us-east") for kind in ("compute", "wait", "up", "down")])
             log.log_event(run_id=run_id, kind="rejected", round=3, datacenter="us-east", detail="a plain message")
             log.log_event(run_id=run_id, kind="checkpoint", round=4, detail={"uri": "file:///x", "nested": {"v": [1, 2]}})
         for seq in range(6):
@@ -103,7 +108,7 @@ def test_the_schema_lists_every_operation(api_schema: Any) -> None:
     paths = {op.path for op in _operations(api_schema)}
     assert {"/api/health", "/api/runs", "/api/runs/{run_id}", "/api/runs/{run_id}/rounds",
             "/api/runs/{run_id}/datacenter-rounds", "/api/runs/{run_id}/events", "/api/runs/{run_id}/async-updates",
-            "/api/datacenters", "/api/strategies", "/api/codecs", "/metrics"} <= paths
+            "/api/runs/{run_id}/timeline", "/api/datacenters", "/api/strategies", "/api/codecs", "/metrics"} <= paths
 
 
 @pytest.mark.parametrize("token", ["none", "admin"])

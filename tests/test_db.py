@@ -30,7 +30,8 @@ from crossdc.db.engine import (
     upgrade,
 )
 from crossdc.db.errors import DatabaseUnavailable, InvalidDatabaseUrl
-from crossdc.db.models import metadata
+from crossdc.db.models import TIMELINE_SPAN_KINDS, metadata
+from crossdc.db.records import TimelineSpanRecord
 from crossdc.db.runlog import RunLog
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
@@ -64,6 +65,7 @@ EXPECTED_COLUMNS: dict[str, set[str]] = {
         "link_bandwidth_mbps", "link_rtt_ms", "node_id",
     },
     "checkpoints": {"id", "run_id", "round", "uri", "created_at"},
+    "timeline_spans": {"id", "run_id", "round", "datacenter", "kind", "start_s", "end_s", "fragment", "exchange"},
     "api_tokens": {"id", "name", "role", "token_hash", "created_at", "revoked_at", "last_used_at"},
     "audit_log": {"id", "at", "action", "outcome", "actor", "target", "client", "detail"},
 }
@@ -206,6 +208,37 @@ def test_upgrade_fresh_postgres(pg_url: str) -> None:
     _check_schema(pg_url)
 
 
+@pytest.fixture(params=["sqlite", pytest.param("postgres", marks=pytest.mark.postgres)])
+def fresh_url(request: pytest.FixtureRequest) -> str:
+    """An empty database, never migrated, on each backend."""
+    return request.getfixturevalue("sqlite_url" if request.param == "sqlite" else "pg_url")
+
+
+@pytest.mark.timeout(60)
+def test_revision_0008_adds_and_drops_timeline_spans(fresh_url: str) -> None:
+    upgrade(fresh_url, "0007")
+    engine = make_engine(fresh_url)
+    try:
+        assert "timeline_spans" not in inspect(engine).get_table_names()
+        upgrade(fresh_url)
+        assert current_revision(fresh_url) == "0008" == head_revisions()[0]
+        insp = inspect(engine)
+        assert {c["name"] for c in insp.get_columns("timeline_spans")} == EXPECTED_COLUMNS["timeline_spans"]
+        indexes = {ix["name"]: ix["column_names"] for ix in insp.get_indexes("timeline_spans")}
+        assert indexes["ix_timeline_spans_run_id_datacenter_start_s"] == ["run_id", "datacenter", "start_s"]
+        nullable = {c["name"]: c["nullable"] for c in insp.get_columns("timeline_spans")}
+        assert [c for c, n in nullable.items() if n] == ["fragment", "exchange"]
+        _check_schema(fresh_url)
+        downgrade(fresh_url, "0007")
+        insp = inspect(engine)
+        assert current_revision(fresh_url) == "0007"
+        assert "timeline_spans" not in insp.get_table_names() and "fragment_exchanges" in insp.get_table_names()
+        upgrade(fresh_url)
+        _check_schema(fresh_url)
+    finally:
+        engine.dispose()
+
+
 def test_check_constraints_reject_unknown_status(migrated_sqlite_url: str) -> None:
     from sqlalchemy.exc import IntegrityError
 
@@ -220,6 +253,26 @@ def test_check_constraints_reject_unknown_status(migrated_sqlite_url: str) -> No
                 )
             )
     eng.dispose()
+
+
+def test_check_constraints_guard_timeline_spans(migrated_sqlite_url: str) -> None:
+    """Past the run log's own checks, the table itself refuses an unknown kind and a span that ends before it starts."""
+    from sqlalchemy.exc import IntegrityError
+
+    with RunLog(migrated_sqlite_url) as log:
+        log.start_run(run_id="r", name="r", strategy="s", config={}, rounds_planned=1)
+    eng = make_engine(migrated_sqlite_url)
+    insert = ("INSERT INTO timeline_spans (run_id, round, datacenter, kind, start_s, end_s) "
+              "VALUES ('r', 1, 'a', :kind, :start, :end)")
+    try:
+        with eng.begin() as conn:
+            conn.execute(text(insert), {"kind": "compute", "start": 1.0, "end": 1.0})  # zero length is a span
+        for values in ({"kind": "sleep", "start": 0.0, "end": 1.0}, {"kind": "up", "start": 2.0, "end": 1.0}):
+            with pytest.raises(IntegrityError):
+                with eng.begin() as conn:
+                    conn.execute(text(insert), values)
+    finally:
+        eng.dispose()
 
 
 # ------------------------------------------------------------------ RunLog
@@ -352,6 +405,86 @@ def test_runlog_validates_in_the_callers_thread(migrated_sqlite_url: str) -> Non
         assert log.stats()["enqueued"] == 0
     with pytest.raises(RuntimeError, match="closed"):
         log.heartbeat(run_id="r")
+
+
+def _span(round_: int, datacenter: str, kind: str, start_s: float, end_s: float, **more: int) -> TimelineSpanRecord:
+    return TimelineSpanRecord(round=round_, datacenter=datacenter, kind=kind, start_s=start_s, end_s=end_s, **more)
+
+
+@pytest.mark.timeout(60)
+def test_timeline_spans_round_trip_newest_first_and_forgotten_with_their_rounds(migrated_url: str) -> None:
+    run_id = str(uuid.uuid4())
+    with RunLog(migrated_url) as log:
+        _start(log, run_id, rounds=3)
+        for r in (1, 2, 3):
+            t = 10.0 * (r - 1)
+            log.log_timeline_spans(run_id=run_id, spans=[
+                _span(r, "us-east", "compute", t, t + 8),
+                _span(r, "us-east", "wait", t + 8, t + 9.5),
+                _span(r, "us-east", "up", t + 7, t + 8.5, fragment=0, exchange=r),
+                _span(r, "eu-west", "compute", t + 0.25, t + 9),
+                _span(r, "eu-west", "down", t + 9, t + 9.75, fragment=1, exchange=r),
+            ])
+        log.log_timeline_spans(run_id=run_id, spans=[])  # nothing to write: nothing queued
+        log.flush(timeout=20)
+        assert log.stats()["rejected"] == 0 and log.stats()["written"] == 4  # the run and one record per batch
+
+    eng = make_engine(migrated_url)
+    try:
+        spans = queries.list_timeline_spans(eng, run_id)
+        assert len(spans) == 15
+        assert [(s["datacenter"], s["start_s"]) for s in spans] == sorted((s["datacenter"], s["start_s"]) for s in spans)
+        first = spans[0]
+        assert {k: first[k] for k in ("round", "datacenter", "kind", "start_s", "end_s", "fragment", "exchange")} == {
+            "round": 1, "datacenter": "eu-west", "kind": "compute", "start_s": 0.25, "end_s": 9.0, "fragment": None,
+            "exchange": None}
+        assert {s["kind"] for s in spans} == set(TIMELINE_SPAN_KINDS)
+        up = [s for s in spans if s["kind"] == "up"]
+        assert [(s["fragment"], s["exchange"]) for s in up] == [(0, 1), (0, 2), (0, 3)]
+        # limited: the newest spans (latest start), still by datacenter then start
+        newest = queries.list_timeline_spans(eng, run_id, limit=4)
+        assert [(s["datacenter"], s["kind"], s["start_s"]) for s in newest] == [
+            ("eu-west", "compute", 20.25), ("eu-west", "down", 29.0), ("us-east", "up", 27.0), ("us-east", "wait", 28.0)]
+        one = queries.list_timeline_spans(eng, run_id, datacenter="eu-west", limit=3)
+        assert [(s["round"], s["kind"]) for s in one] == [(2, "down"), (3, "compute"), (3, "down")]
+        assert queries.list_timeline_spans(eng, run_id, datacenter="nowhere") == []
+    finally:
+        eng.dispose()
+
+    with RunLog(migrated_url) as log:  # resumed from the checkpoint of round 1: rounds 2 and 3 are trained again
+        log.forget_rounds_after(run_id=run_id, round=1)
+        log.flush(timeout=20)
+    eng = make_engine(migrated_url)
+    try:
+        assert {s["round"] for s in queries.list_timeline_spans(eng, run_id)} == {1}
+        assert len(queries.list_timeline_spans(eng, run_id)) == 5
+        with eng.begin() as conn:  # deleting a run cascades to its spans
+            conn.execute(text("DELETE FROM runs WHERE id = :id"), {"id": run_id})
+        assert queries.list_timeline_spans(eng, run_id) == []
+    finally:
+        eng.dispose()
+
+
+def test_timeline_spans_are_checked_in_the_callers_thread(migrated_sqlite_url: str) -> None:
+    good = _span(1, "a", "compute", 0.0, 1.0)
+    with RunLog(migrated_sqlite_url) as log:
+        with pytest.raises(ValueError, match=r"^spans\[1\]: kind must be one of compute, wait, up, down; got 'sleep'$"):
+            log.log_timeline_spans(run_id="r", spans=[good, good.replace(kind="sleep")])
+        with pytest.raises(ValueError, match=r"^spans\[0\]: end_s must be >= start_s, got start_s=2.0, end_s=1.5$"):
+            log.log_timeline_spans(run_id="r", spans=[_span(1, "a", "up", 2.0, 1.5)])
+        with pytest.raises(ValueError, match=r"spans\[0\]: start_s and end_s must be finite"):
+            log.log_timeline_spans(run_id="r", spans=[_span(1, "a", "wait", 0.0, float("inf"))])
+        with pytest.raises(TypeError, match=r"spans\[0\] must be a TimelineSpanRecord, got dict"):
+            log.log_timeline_spans(run_id="r", spans=[{"round": 1}])  # type: ignore[list-item]
+        with pytest.raises(ValueError, match=r"spans\[0\]: round must be >= 0"):
+            log.log_timeline_spans(run_id="r", spans=[good.replace(round=-1)])
+        with pytest.raises(TypeError, match=r"spans\[0\]: start_s must be a number"):
+            log.log_timeline_spans(run_id="r", spans=[good.replace(start_s="soon")])
+        with pytest.raises(ValueError, match=r"spans\[0\]: datacenter must not be empty"):
+            log.log_timeline_spans(run_id="r", spans=[good.replace(datacenter="")])
+        with pytest.raises(TypeError, match="unexpected keyword argument 'note'"):
+            TimelineSpanRecord(round=1, datacenter="a", kind="up", start_s=0.0, end_s=1.0, note="x")  # type: ignore[call-arg]
+        assert log.stats()["enqueued"] == 0
 
 
 class _Unserialisable:

@@ -14,12 +14,14 @@ from crossdc.dashboard.figures import (
     COMM_COMP_ALERT,
     NOT_MEASURED_COLOR,
     OK_COLOR,
+    TIMELINE_COLORS,
     bytes_per_round,
     comm_comp_ratio,
     compare_runs,
     downsample,
     downsample_indices,
     drift_per_datacenter,
+    exposed_comm_comp_ratio,
     loss_vs_bytes,
     loss_vs_round,
     loss_vs_wall_time,
@@ -27,7 +29,9 @@ from crossdc.dashboard.figures import (
     summarize_datacenters,
     tau_schedule,
     time_breakdown,
+    timeline,
 )
+from crossdc.db.models import TIMELINE_SPAN_KINDS
 
 
 def rnd(round_: int, **values: Any) -> dict[str, Any]:
@@ -245,6 +249,81 @@ def test_drift_downsamples_each_datacenter_and_keeps_its_last_round() -> None:
 def test_empty_datacenter_figures_say_so() -> None:
     assert "no datacenter rounds yet" in annotations(time_breakdown([]))
     assert "no datacenter rounds yet" in annotations(comm_comp_ratio([]))
+
+
+IDLE_ROWS = [
+    # a: exposed comm/comp = (0.25 + 0.75) / (5 + 5) = 0.1 exactly (at the line, not above it), utilisation 10 / 11;
+    # a round without compute_s and a rejected one are left out.
+    dcr(1, "a", compute_s=5.0, idle_s=0.25),
+    dcr(2, "a", compute_s=5.0, idle_s=0.75),
+    dcr(3, "a", compute_s=None, idle_s=1.0),
+    dcr(4, "a", status="rejected", compute_s=5.0, idle_s=5.0),
+    # b: 0.5 / 2 = 0.25, above the alert; utilisation 2 / 2.5 = 0.8.
+    dcr(1, "b", compute_s=2.0, idle_s=0.5),
+    # c: idle_s never measured.
+    dcr(1, "c", compute_s=2.0),
+]
+
+
+def test_summarize_datacenters_exposed_comm_comp_and_utilisation() -> None:
+    summary = {s["datacenter"]: s for s in summarize_datacenters(IDLE_ROWS)}
+    assert summary["a"]["exposed_comm_comp_ratio"] == 0.1 and summary["a"]["trainer_utilisation"] == 10 / 11
+    assert summary["b"]["exposed_comm_comp_ratio"] == 0.25 and summary["b"]["trainer_utilisation"] == 0.8
+    assert summary["c"]["exposed_comm_comp_ratio"] is None and summary["c"]["trainer_utilisation"] is None
+    assert figures.utilisation(0.0, 0.0) is None and figures.utilisation(3.0, 1.0) == 0.75
+
+
+def test_exposed_comm_comp_ratio_is_drawn_like_comm_comp_with_its_alert_line() -> None:
+    fig = exposed_comm_comp_ratio(IDLE_ROWS)
+    (bars,) = fig.data
+    assert bars.name == "exposed comm/comp" and list(bars.x) == ["a", "b", "c"]
+    assert list(bars.y) == [0.1, 0.25, 0.0]
+    assert list(bars.marker.color) == [OK_COLOR, ALERT_COLOR, NOT_MEASURED_COLOR]
+    assert list(bars.text) == ["0.1", "0.25 ⚠", "not measured"]
+    assert [(s.y0, s.y1) for s in fig.layout.shapes] == [(COMM_COMP_ALERT, COMM_COMP_ALERT)]
+    assert fig.layout.title.text.startswith("Exposed comm/comp") and fig.layout.yaxis.title.text == "idle_s / compute_s"
+    assert list(exposed_comm_comp_ratio(IDLE_ROWS, alert=0.05).data[0].marker.color)[0] == ALERT_COLOR
+    # the same from summary rows; and the comm/comp figure of the same rows is unchanged by idle_s
+    assert list(exposed_comm_comp_ratio(summarize_datacenters(IDLE_ROWS)).data[0].y) == [0.1, 0.25, 0.0]
+    assert comm_comp_ratio(IDLE_ROWS).data[0].name == "comm/comp"
+    assert "no datacenter rounds yet" in annotations(exposed_comm_comp_ratio([]))
+
+
+def span(datacenter: str, kind: str, start_s: float, end_s: float, round_: int = 1, **more: Any) -> dict[str, Any]:
+    """A ``timeline_spans`` row."""
+    return {"round": round_, "datacenter": datacenter, "kind": kind, "start_s": start_s, "end_s": end_s,
+            "fragment": None, "exchange": None, **more}
+
+
+def test_timeline_has_one_bar_trace_per_kind_one_row_per_datacenter() -> None:
+    spans = [
+        span("us", "compute", 0.0, 4.0), span("us", "wait", 4.0, 4.5), span("us", "up", 3.0, 4.25, fragment=0, exchange=1),
+        span("eu", "compute", 0.5, 4.5), span("eu", "down", 4.5, 5.0, round_=2, fragment=1, exchange=2),
+        span("eu", "compute", 5.0, 9.0, round_=2),
+        span("eu", "sleep", 0.0, 1.0), span("us", "wait", float("nan"), 1.0),  # left out
+    ]
+    fig = timeline(spans)
+    assert [t.name for t in fig.data] == ["compute", "wait", "up", "down"] == list(TIMELINE_SPAN_KINDS)
+    assert all(t.type == "bar" and t.orientation == "h" for t in fig.data)
+    compute = trace(fig, "compute")
+    assert list(compute.y) == ["us", "eu", "eu"]
+    assert list(compute.base) == [0.0, 0.5, 5.0] and list(compute.x) == [4.0, 4.0, 4.0]
+    assert list(trace(fig, "wait").x) == [0.5] and list(trace(fig, "up").base) == [3.0]
+    assert "fragment 1 · exchange 2" in trace(fig, "down").customdata[0]
+    assert {t.name: t.marker.color for t in fig.data} == TIMELINE_COLORS
+    assert [t.offsetgroup for t in fig.data] == ["trainer", "trainer", "up", "down"]  # compute and wait share a lane
+    assert list(fig.layout.yaxis.categoryarray) == ["eu", "us"] and fig.layout.yaxis.autorange == "reversed"
+    assert fig.layout.xaxis.title.text == "seconds since the run's start"
+    assert not annotations(fig)
+
+
+def test_timeline_keeps_the_newest_spans_and_says_when_there_are_none() -> None:
+    spans = [span("a", "compute", float(i), i + 0.5) for i in range(100)] + [span("b", "wait", 99.5, 100.0)]
+    fig = timeline(spans, max_spans=10)
+    assert sum(len(t.x) for t in fig.data) == 10
+    assert list(trace(fig, "compute").base) == [float(i) for i in range(91, 100)] and list(trace(fig, "wait").y) == ["b"]
+    empty = timeline([])
+    assert not empty.data and "no timeline recorded" in annotations(empty)
 
 
 # -------------------------------------------------------------- staleness

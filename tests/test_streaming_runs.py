@@ -11,7 +11,7 @@ import pytest
 from conftest import read_run, streaming_toml
 
 from crossdc.db.engine import make_engine
-from crossdc.db.queries import list_fragment_exchanges
+from crossdc.db.queries import list_fragment_exchanges, list_timeline_spans
 from crossdc.experiment.config import ExperimentConfig, parse_config
 from crossdc.experiment.processes import free_port
 from crossdc.experiment.rundir import RunDir
@@ -44,9 +44,10 @@ def streaming_runs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, dict]:
         engine = make_engine(db_url)
         try:
             exchanges = list_fragment_exchanges(engine, result.run_id)
+            spans = list_timeline_spans(engine, result.run_id)
         finally:
             engine.dispose()
-        runs[label] = {"params": params, "result": result, "exchanges": exchanges, **read_run(db_url, result.run_id)}
+        runs[label] = {"params": params, "result": result, "exchanges": exchanges, "spans": spans, **read_run(db_url, result.run_id)}
     return runs
 
 
@@ -74,6 +75,13 @@ def test_trainers_keep_computing_while_fragments_travel(streaming_runs: dict[str
             mine = [e for e in exchanges if e["datacenter"] == row["datacenter"] and e["round"] == row["round"]]
             assert row["bytes_up"] == sum(e["bytes_up"] for e in mine)
             assert row["idle_s"] == pytest.approx(sum(e["idle_s"] for e in mine))
+        for dc in ("us-east", "eu-west"):  # the timeline: what each trainer did and what was in flight
+            mine = [span for span in run["spans"] if span["datacenter"] == dc]
+            assert {span["kind"] for span in mine} >= {"compute", "up", "down"}
+            assert all(span["end_s"] >= span["start_s"] >= 0 for span in mine)
+            waited = sum(span["end_s"] - span["start_s"] for span in mine if span["kind"] == "wait")
+            # the waits of 1 ms and more, on the wall clock; idle_s counts every wait, on the monotonic clock
+            assert waited <= sum(r["idle_s"] for r in run["dc_rounds"] if r["datacenter"] == dc) + 1e-3
     without, with_overlap = exposed_ratio(waiting), exposed_ratio(overlapped)
     # each exchange of the run without overlap waits a whole cycle (reply, aggregation, next message, ClientApp
     # start); the eager run's merges need what arrived a round before: a wide margin, not a measured goal

@@ -10,7 +10,8 @@ Promises, for every route:
   logical order: pass ``since_round`` / ``since_id`` / ``since_seq`` (exclusive: only items *after* it) and
   ``limit``; the answer's ``next_since_*`` is what to pass next, both to read on through a long run and to poll a
   running one for what is new, and ``has_more`` says whether more was already there. A ``Link: <...>;
-  rel="next"`` header points at the next page while ``has_more`` is true.
+  rel="next"`` header points at the next page while ``has_more`` is true. A run's timeline is not paged: it
+  answers the newest ``limit`` spans, and ``truncated`` says whether older ones were left out.
 """
 
 from __future__ import annotations
@@ -188,6 +189,28 @@ class AsyncUpdatesPage(BaseModel):
     has_more: bool
 
 
+class TimelineSpanRow(BaseModel):
+    round: int
+    datacenter: str
+    kind: str = Field(description="compute or wait (what the datacenter's trainer did), up (its update on the way to "
+                                  "the coordinator) or down (the coordinator's result on the way to it).")
+    start_s: float = Field(description="Seconds since the run's start: on the datacenter's clock for compute and wait, "
+                                       "on the coordinator's for up and down.")
+    end_s: float = Field(description="Seconds since the run's start, on the same clock; never before start_s.")
+    fragment: int | None = Field(description="A streaming run's fragment (null otherwise).")
+    exchange: int | None = Field(description="A streaming run's exchange (null otherwise).")
+
+
+class TimelinePage(BaseModel):
+    """The run's newest timeline spans (at most ``limit``), by datacenter then start."""
+
+    run_id: str
+    datacenter: str | None = Field(description="The datacenter filter, if one was given.")
+    limit: int
+    items: list[TimelineSpanRow]
+    truncated: bool = Field(description="Older spans were left out: the run has more than limit of them.")
+
+
 class DatacenterInfo(BaseModel):
     name: str
     region: str | None
@@ -298,6 +321,11 @@ def _page_response(request: Request, body: dict[str, Any], page: queries.Page, c
     if page.has_more and page.next_cursor is not None:
         url = request.url.include_query_params(**{cursor_param: page.next_cursor})
         headers["Link"] = f'<{url}>; rel="next"'
+    return _json_response(body, headers)
+
+
+def _json_response(body: dict[str, Any], headers: dict[str, str] | None = None) -> Response:
+    """``body`` (plain dicts) as JSON, NaN and ±Inf as null."""
     return Response(pydantic_core.to_json(body, inf_nan_mode="null"), media_type="application/json", headers=headers)
 
 
@@ -430,6 +458,22 @@ def get_async_updates(
     page = queries.async_updates_page(conn, run_id, since_seq=since_seq, limit=limit)
     body = {"run_id": run_id, "items": page.items, "next_since_seq": page.next_cursor, "has_more": page.has_more}
     return _page_response(request, body, page, "since_seq")
+
+
+@router.get("/api/runs/{run_id}/timeline", response_model=TimelinePage, responses={**_404, **_503}, tags=["runs"])
+def get_timeline(
+    run_id: RunId,
+    conn: Conn,
+    limit: Annotated[int, Query(ge=1, le=queries.MAX_PAGE_SIZE,
+                                description=f"How many of the newest spans (at most {queries.MAX_PAGE_SIZE}).")] = 1000,
+    datacenter: Annotated[str | None, Query(max_length=256, description="Only this datacenter's spans.")] = None,
+) -> Response:
+    """Per datacenter, what its trainer did (compute, wait) and what was in flight (up, down), in seconds since the
+    run's start: the run's newest ``limit`` spans, by datacenter then start."""
+    _require_run(conn, run_id)
+    items, truncated = queries.timeline_spans(conn, run_id, limit=limit, datacenter=datacenter)
+    return _json_response({"run_id": run_id, "datacenter": datacenter, "limit": limit, "items": items,
+                           "truncated": truncated})
 
 
 @router.get("/api/datacenters", response_model=list[DatacenterInfo], responses=_503, tags=["datacenters"])

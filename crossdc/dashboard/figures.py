@@ -21,9 +21,10 @@ Promises shared by all figures:
   series are stride-downsampled, always keeping the first and the last point;
 * traces have stable names (tests and notebooks find them by name), and an empty
   figure says why in an annotation ("no async updates", ...);
-* vocabulary follows docs/glossary.md: the comm/comp ratio is ``comm_s / compute_s`` with an
-  alert above :data:`COMM_COMP_ALERT`; ``overhead_s`` is shown on its own; a ``comm_s``
-  that was never measured (simulation) is shown as "not measured", not as 0.
+* vocabulary follows docs/glossary.md: the comm/comp ratio is ``comm_s / compute_s`` and the
+  exposed comm/comp ``idle_s / compute_s``, each with an alert above :data:`COMM_COMP_ALERT`;
+  ``overhead_s`` is shown on its own; a ``comm_s`` or ``idle_s`` that was never measured
+  (simulation) is shown as "not measured", not as 0.
 """
 
 from __future__ import annotations
@@ -37,6 +38,7 @@ import numpy as np
 import plotly.graph_objects as go
 import plotly.io as pio
 
+from crossdc.db.models import TIMELINE_SPAN_KINDS
 from crossdc.db.values import finite_float
 
 Row = Mapping[str, Any]
@@ -54,6 +56,8 @@ FIGURE_IDS: dict[str, str] = {
     "bytes_per_round": "fig-bytes-round",
     "time_breakdown": "fig-time-breakdown",
     "comm_comp_ratio": "fig-comm-comp",
+    "exposed_comm_comp_ratio": "fig-exposed-comm-comp",
+    "timeline": "fig-timeline",
     "drift_per_datacenter": "fig-drift",
     "staleness_histogram": "fig-staleness",
     "staleness_over_time": "fig-staleness-time",
@@ -69,6 +73,11 @@ NOT_MEASURED_COLOR = "#b0b0b0"
 COMPUTE_COLOR = "#2ca02c"
 COMM_COLOR = "#ff7f0e"
 OVERHEAD_COLOR = "#9e9e9e"
+#: The timeline's colour of each span kind (crossdc.db.models.TIMELINE_SPAN_KINDS: compute, wait, up, down).
+TIMELINE_COLORS: dict[str, str] = dict(zip(TIMELINE_SPAN_KINDS, (COMPUTE_COLOR, ALERT_COLOR, COMM_COLOR, "#9467bd"),
+                                           strict=True))
+#: The lane of each span kind in a datacenter's row: the trainer's (compute, wait), then one per transfer (up, down).
+_TIMELINE_LANES: dict[str, str] = dict(zip(TIMELINE_SPAN_KINDS, ("trainer", "trainer", "up", "down"), strict=True))
 _COLORWAY = [
     "#1f77b4", "#ff7f0e", "#2ca02c", "#d62728", "#9467bd", "#8c564b", "#e377c2", "#7f7f7f",
     "#bcbd22", "#17becf", "#393b79", "#637939", "#8c6d31", "#843c39", "#7b4173", "#3182bd",
@@ -368,16 +377,30 @@ SUMMARY_KEYS: tuple[str, ...] = (
     "compute_s_total", "comm_s_total", "overhead_s_total",
     "compute_s_mean", "comm_s_mean", "overhead_s_mean",
     "compute_s_median", "comm_s_median", "overhead_s_median",
-    "comm_measured", "comm_comp_ratio",
+    "comm_measured", "comm_comp_ratio", "exposed_comm_comp_ratio", "trainer_utilisation",
     "bytes_up", "bytes_up_raw", "bytes_down", "drift_l2_last",
 )
 
 
 def comm_comp(comm_s_total: float | None, compute_s_total: float | None) -> float | None:
-    """The comm/comp ratio ``comm_s / compute_s``, or ``None`` when comm was not measured or compute is 0."""
+    """The comm/comp ratio ``comm_s / compute_s``, or ``None`` when comm was not measured or compute is 0.
+    With ``idle_s`` for ``comm_s``: the exposed comm/comp."""
     if comm_s_total is None or compute_s_total is None or compute_s_total <= 0:
         return None
     return comm_s_total / compute_s_total
+
+
+def utilisation(compute_s_total: float | None, idle_s_total: float | None) -> float | None:
+    """Trainer utilisation ``compute_s / (compute_s + idle_s)``, or ``None`` when either was not measured or both are 0."""
+    if compute_s_total is None or idle_s_total is None or compute_s_total + idle_s_total <= 0:
+        return None
+    return compute_s_total / (compute_s_total + idle_s_total)
+
+
+def _sums_where_measured(a: np.ndarray, b: np.ndarray, keep: np.ndarray) -> tuple[float | None, float | None]:
+    """(Σa, Σb) over the rows in ``keep`` where both were measured; ``(None, None)`` when there is none."""
+    both = keep & ~np.isnan(a) & ~np.isnan(b)
+    return (float(a[both].sum()), float(b[both].sum())) if both.any() else (None, None)
 
 
 def summarize_datacenters(dc_rounds: Sequence[Row]) -> list[dict[str, Any]]:
@@ -386,7 +409,10 @@ def summarize_datacenters(dc_rounds: Sequence[Row]) -> list[dict[str, Any]]:
     Totals, means and medians of ``compute_s``, ``comm_s``, ``overhead_s`` are over the
     rounds where that value was measured; a component never measured is ``None``.
     ``comm_comp_ratio`` is Σcomm_s / Σcompute_s over the rounds where both were measured
-    (``None`` when comm_s was never measured). ``drift_l2_last`` is the latest measured drift.
+    (``None`` when comm_s was never measured); ``exposed_comm_comp_ratio`` is Σidle_s /
+    Σcompute_s and ``trainer_utilisation`` Σcompute_s / Σ(compute_s + idle_s), both over the
+    ok rounds where idle_s and compute_s were measured (``None`` when idle_s never was).
+    ``drift_l2_last`` is the latest measured drift.
     """
     groups: dict[str, list[Row]] = {}
     for row in dc_rounds:
@@ -405,11 +431,12 @@ def summarize_datacenters(dc_rounds: Sequence[Row]) -> list[dict[str, Any]]:
             summary[f"{key}_mean"] = float(values.mean()) if len(values) else None
             summary[f"{key}_median"] = float(np.median(values)) if len(values) else None
         comm, compute = columns["comm_s"], columns["compute_s"]
-        both = ~np.isnan(comm) & ~np.isnan(compute)
         summary["comm_measured"] = int((~np.isnan(comm)).sum())
-        summary["comm_comp_ratio"] = (
-            comm_comp(float(comm[both].sum()), float(compute[both].sum())) if both.any() else None
-        )
+        summary["comm_comp_ratio"] = comm_comp(*_sums_where_measured(comm, compute, np.ones(len(rows), dtype=bool)))
+        ok = np.array([status == "ok" for status in statuses], dtype=bool)
+        idle_total, compute_total = _sums_where_measured(floats(r.get("idle_s") for r in rows), compute, ok)
+        summary["exposed_comm_comp_ratio"] = comm_comp(idle_total, compute_total)
+        summary["trainer_utilisation"] = utilisation(compute_total, idle_total)
         for key in ("bytes_up", "bytes_up_raw", "bytes_down"):
             summary[key] = int(np.nansum(floats(r.get(key) for r in rows)))
         drifts = floats(r.get("drift_l2") for r in rows)
@@ -456,25 +483,27 @@ def time_breakdown(dc_rows: Sequence[Row]) -> go.Figure:
     return fig
 
 
-def comm_comp_ratio(dc_rows: Sequence[Row], alert: float = COMM_COMP_ALERT) -> go.Figure:
+def comm_comp_ratio(dc_rows: Sequence[Row], alert: float = COMM_COMP_ALERT, *, key: str = "comm_comp_ratio",
+                    name: str = "comm/comp", title: str = "Comm/comp ratio", yaxis: str = "comm_s / compute_s") -> go.Figure:
     """The comm/comp ratio (Σcomm_s / Σcompute_s) per datacenter, with the alert line at ``alert``.
 
     Takes ``datacenter_rounds`` rows or rows of :func:`summarize_datacenters`. One bar
-    trace named "comm/comp"; bars above ``alert`` are coloured :data:`ALERT_COLOR`, the
+    trace named ``name`` ("comm/comp"); bars above ``alert`` are coloured :data:`ALERT_COLOR`, the
     others :data:`OK_COLOR`; a datacenter whose comm_s was never measured gets an empty
     grey bar labelled "not measured". The alert is a dashed horizontal line (a layout shape
-    with ``y0 == y1 == alert``).
+    with ``y0 == y1 == alert``). ``key`` (a ratio of the summary rows), ``title`` and ``yaxis``
+    draw another ratio the same way: :func:`exposed_comm_comp_ratio`.
     """
     summary = _as_summary(dc_rows)
     names = [s["datacenter"] for s in summary]
-    ratios = [finite(s.get("comm_comp_ratio")) for s in summary]
+    ratios = [finite(s.get(key)) for s in summary]
     colors = [NOT_MEASURED_COLOR if r is None else (ALERT_COLOR if r > alert else OK_COLOR) for r in ratios]
     labels = ["not measured" if r is None else (f"{r:.3g} ⚠" if r > alert else f"{r:.3g}") for r in ratios]
-    fig = _figure(f"Comm/comp ratio per datacenter (alert above {alert:g})", "datacenter", "comm_s / compute_s")
+    fig = _figure(f"{title} per datacenter (alert above {alert:g})", "datacenter", yaxis)
     fig.add_trace(go.Bar(
-        x=names, y=[r or 0.0 for r in ratios], name="comm/comp", marker_color=colors,
+        x=names, y=[r or 0.0 for r in ratios], name=name, marker_color=colors,
         text=labels, textposition="outside", cliponaxis=False,
-        hovertemplate="%{x}<br>comm/comp %{text}<extra></extra>",
+        hovertemplate=f"%{{x}}<br>{name} %{{text}}<extra></extra>",
     ))
     fig.add_hline(y=alert, line=dict(color=ALERT_COLOR, dash="dash", width=1.5))
     fig.add_annotation(x=1, xref="paper", xanchor="left", y=alert, yref="y", text=f"alert {alert:g}",
@@ -485,6 +514,51 @@ def comm_comp_ratio(dc_rows: Sequence[Row], alert: float = COMM_COMP_ALERT) -> g
     fig.update_layout(showlegend=False)
     if not summary:
         _note(fig, "no datacenter rounds yet")
+    return fig
+
+
+def exposed_comm_comp_ratio(dc_rows: Sequence[Row], alert: float = COMM_COMP_ALERT) -> go.Figure:
+    """The exposed comm/comp (Σidle_s / Σcompute_s over the ok rounds where both were measured) per datacenter:
+    the WAN and coordinator time its trainer waited for, as :func:`comm_comp_ratio` draws it (one bar trace named
+    "exposed comm/comp", the alert line at ``alert``, "not measured" where idle_s never was)."""
+    return comm_comp_ratio(dc_rows, alert, key="exposed_comm_comp_ratio", name="exposed comm/comp",
+                           title="Exposed comm/comp", yaxis="idle_s / compute_s")
+
+
+def timeline(spans: Sequence[Row], *, max_spans: int = MAX_POINTS) -> go.Figure:
+    """What each datacenter's trainer did and what was in flight, against seconds since the run's start.
+
+    Takes ``timeline_spans`` rows (``datacenter``, ``kind``, ``start_s``, ``end_s``, and ``round``, ``fragment``,
+    ``exchange`` for the hover text). A Gantt-like chart of horizontal bars: one row per datacenter (by name, top
+    to bottom), one bar trace per kind present, in the order of ``TIMELINE_SPAN_KINDS`` and named after it
+    ("compute", "wait", "up", "down"), coloured by :data:`TIMELINE_COLORS`; a bar spans [start_s, end_s]. In each
+    row the trainer's spans (compute, wait) share one lane and the transfers (up, down) have one each, so that
+    what overlaps stays visible. Only the newest ``max_spans`` spans (the latest ``start_s``) are drawn; spans
+    of another kind or without finite times are left out. No span: a figure that says "no timeline recorded".
+    """
+    usable = [s for s in spans if s.get("kind") in TIMELINE_COLORS
+              and finite(s.get("start_s")) is not None and finite(s.get("end_s")) is not None]
+    if len(usable) > max_spans:
+        usable = sorted(usable, key=lambda s: float(s["start_s"]))[-max_spans:]
+    names = sorted({str(s["datacenter"]) for s in usable})
+    fig = _figure("Timeline per datacenter", "seconds since the run's start", "datacenter", barmode="group",
+                  bargap=0.25, bargroupgap=0.05)
+    fig.update_yaxes(categoryorder="array", categoryarray=names, autorange="reversed")
+    for kind in TIMELINE_SPAN_KINDS:
+        rows = [s for s in usable if s["kind"] == kind]
+        if not rows:
+            continue
+        start, end = floats(s["start_s"] for s in rows), floats(s["end_s"] for s in rows)
+        texts = [f"{a:.6g} s to {b:.6g} s" + "".join(f" · {key} {s[key]}" for key in ("round", "fragment", "exchange")
+                                                     if s.get(key) is not None)
+                 for a, b, s in zip(start, end, rows, strict=True)]
+        fig.add_trace(go.Bar(
+            y=[str(s["datacenter"]) for s in rows], x=end - start, base=start, orientation="h", name=kind,
+            offsetgroup=_TIMELINE_LANES[kind], marker_color=TIMELINE_COLORS[kind], customdata=texts,
+            hovertemplate=f"%{{y}} · {kind}<br>%{{customdata}}<extra></extra>",
+        ))
+    if not usable:
+        _note(fig, "no timeline recorded")
     return fig
 
 
@@ -615,6 +689,7 @@ def compare_runs(
 __all__ = [
     "ALERT_COLOR",
     "COMM_COMP_ALERT",
+    "TIMELINE_COLORS",
     "FIGURE_IDS",
     "MAX_POINTS",
     "SUMMARY_KEYS",
@@ -626,6 +701,7 @@ __all__ = [
     "downsample",
     "downsample_indices",
     "drift_per_datacenter",
+    "exposed_comm_comp_ratio",
     "figure_json",
     "finite",
     "floats",
@@ -638,4 +714,6 @@ __all__ = [
     "summarize_datacenters",
     "tau_schedule",
     "time_breakdown",
+    "timeline",
+    "utilisation",
 ]

@@ -9,6 +9,7 @@ Promises:
   datacenter's last round); totals come from SQL aggregates over all rows, so they stay
   exact. A run of 10,000 rounds × 16 datacenters reads ~10,000 per-datacenter rows,
   not 160,000.
+  The timeline reads only the newest :data:`MAX_TIMELINE_SPANS` spans, picked on an index.
 * Rows are plain dicts keyed by column names (as :mod:`crossdc.db.queries` returns them),
   so they feed :mod:`crossdc.dashboard.figures` unchanged.
 * The status shown is the *effective* status of
@@ -28,9 +29,10 @@ from typing import Any
 from cachetools import LRUCache
 from sqlalchemy import Connection, and_, case, func, or_, select
 
-from crossdc.dashboard.figures import MAX_POINTS, comm_comp, finite, summarize_datacenters
+from crossdc.dashboard.figures import MAX_POINTS, comm_comp, finite, summarize_datacenters, utilisation
 from crossdc.dashboard.queries import as_utc, could_be_run_id, effective_status
-from crossdc.db.models import ASYNC_UPDATES, DATACENTER_ROUNDS, DATACENTERS, EVENTS, ROUNDS, RUNS
+from crossdc.db.models import ASYNC_UPDATES, DATACENTER_ROUNDS, DATACENTERS, EVENTS, ROUNDS, RUNS, TIMELINE_SPANS
+from crossdc.db.queries import list_timeline_spans
 
 #: Points per datacenter trace summed over all datacenters; each trace gets at most MAX_POINTS.
 DATACENTER_POINT_BUDGET = 10_000
@@ -40,6 +42,8 @@ MIN_POINTS_PER_DATACENTER = 200
 MAX_EVENTS = 5000
 #: ... and the timestamp and detail of only this many of the latest (the events table).
 EVENTS_WITH_DETAIL = 200
+#: The run page's timeline shows at most this many of a run's newest spans.
+MAX_TIMELINE_SPANS = 2000
 #: The runs list shows at most this many of the newest runs.
 MAX_RUNS_LISTED = 500
 
@@ -93,6 +97,9 @@ class RunPageData:
     #: whether the run has staleness to show (async updates, or datacenter rounds with a staleness): a synchronous
     #: run has none, and its page leaves the staleness charts out
     has_staleness: bool = False
+    #: the run's newest MAX_TIMELINE_SPANS timeline spans (crossdc.db.queries.list_timeline_spans), and how many it has
+    timeline: list[dict[str, Any]] = field(default_factory=list)
+    timeline_total: int = 0
 
 
 def run_version(conn: Connection, run_id: str, now: datetime) -> tuple[str, bool] | None:
@@ -115,12 +122,18 @@ def run_version(conn: Connection, run_id: str, now: datetime) -> tuple[str, bool
     n_dc = conn.execute(select(func.count()).where(DATACENTER_ROUNDS.c.run_id == run_id)).scalar()
     last_event = conn.execute(select(func.max(EVENTS.c.id)).where(EVENTS.c.run_id == run_id)).scalar()
     n_async = conn.execute(select(func.count()).where(ASYNC_UPDATES.c.run_id == run_id)).scalar()
+    n_spans = _timeline_total(conn, run_id)
     shown = with_status(_row(run), rounds[2], now)
     marker = "|".join(str(part) for part in (
         shown["status"], as_utc(run["last_heartbeat"]), as_utc(run["finished_at"]),
-        rounds[0], rounds[1], n_dc, last_event, n_async,
+        rounds[0], rounds[1], n_dc, last_event, n_async, n_spans,
     ))
     return marker, bool(shown["running"])
+
+
+def _timeline_total(conn: Connection, run_id: str) -> int:
+    """How many timeline spans the run has (counted on the index on run_id)."""
+    return int(conn.execute(select(func.count()).where(TIMELINE_SPANS.c.run_id == run_id)).scalar() or 0)
 
 
 def _datacenter_aggregates(
@@ -130,6 +143,7 @@ def _datacenter_aggregates(
     ``after_round < round <= through_round`` (each bound only when given), by name."""
     dc = DATACENTER_ROUNDS
     both = and_(dc.c.comm_s.is_not(None), dc.c.compute_s.is_not(None))
+    waited = and_(dc.c.status == "ok", dc.c.idle_s.is_not(None), dc.c.compute_s.is_not(None))
 
     def count_status(status: str) -> Any:
         return func.sum(case((dc.c.status == status, 1), else_=0)).label(status)
@@ -148,6 +162,8 @@ def _datacenter_aggregates(
             func.sum(dc.c.overhead_s).label("overhead_s_total"), func.count(dc.c.overhead_s).label("overhead_n"),
             func.sum(case((both, dc.c.comm_s))).label("comm_both"),
             func.sum(case((both, dc.c.compute_s))).label("compute_both"),
+            func.sum(case((waited, dc.c.idle_s))).label("idle_both"),
+            func.sum(case((waited, dc.c.compute_s))).label("compute_idle_both"),
             func.coalesce(func.sum(dc.c.bytes_up), 0).label("bytes_up"),
             func.coalesce(func.sum(dc.c.bytes_up_raw), 0).label("bytes_up_raw"),
             func.coalesce(func.sum(dc.c.bytes_down), 0).label("bytes_down"),
@@ -163,7 +179,7 @@ def _datacenter_aggregates(
 #: The additive fields of a row of ``_datacenter_aggregates`` (``None`` = no value yet).
 _ADDITIVE = (
     "rounds", "ok", "failed", "timeout", "rejected", "compute_s_total", "compute_n", "comm_s_total",
-    "comm_measured", "overhead_s_total", "overhead_n", "comm_both", "compute_both",
+    "comm_measured", "overhead_s_total", "overhead_n", "comm_both", "compute_both", "idle_both", "compute_idle_both",
     "bytes_up", "bytes_up_raw", "bytes_down", "staleness_n",
 )
 
@@ -236,6 +252,9 @@ def datacenter_summary(aggregates: Sequence[Mapping[str, Any]], sample: Sequence
             row[f"{key}_mean"] = total / n if n and total is not None else None
             row[f"{key}_median"] = sampled.get(name, {}).get(f"{key}_median")
         row["comm_comp_ratio"] = comm_comp(finite(agg["comm_both"]), finite(agg["compute_both"]))
+        idle, compute = finite(agg["idle_both"]), finite(agg["compute_idle_both"])
+        row["exposed_comm_comp_ratio"] = comm_comp(idle, compute)
+        row["trainer_utilisation"] = utilisation(compute, idle)
         for key in ("bytes_up", "bytes_up_raw", "bytes_down"):
             row[key] = int(agg[key] or 0)
         row["drift_l2_last"] = sampled.get(name, {}).get("drift_l2_last")
@@ -361,12 +380,15 @@ def load_run_page(
                   val_loss=finite(latest["val_loss"]) if latest else None,
                   val_accuracy=finite(latest["val_accuracy"]) if latest else None)
     async_total = sum(int(r["count"]) for r in staleness)
+    timeline_total = _timeline_total(conn, run_id)
+    timeline = list_timeline_spans(conn, run_id, limit=MAX_TIMELINE_SPANS) if timeline_total else []
     return RunPageData(
         run=run, rounds=rounds, dc_sample=sample, dc_summary=datacenter_summary(aggregates, sample), dc_stride=stride,
         events=events, events_total=events_total, staleness_counts=staleness,
         async_total=async_total, version=version[0], totals=totals,
         staleness_series=_staleness_series(conn, run_id, async_total),
         has_staleness=async_total > 0 or any(int(a.get("staleness_n") or 0) for a in aggregates),
+        timeline=timeline, timeline_total=timeline_total,
     )
 
 
@@ -458,6 +480,7 @@ __all__ = [
     "AggregateCache",
     "DATACENTER_POINT_BUDGET",
     "MAX_EVENTS",
+    "MAX_TIMELINE_SPANS",
     "RunPageData",
     "compare_data",
     "datacenter_list",

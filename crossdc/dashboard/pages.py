@@ -4,7 +4,8 @@ Routes (all read-only, none in the OpenAPI schema):
 
 * ``/``: the runs, newest first, with status and headline numbers; pick runs to compare.
 * ``/runs/{run_id}``: one run's charts and tables (the staleness charts only for a run with
-  staleness, i.e. an asynchronous one); 404 page for an unknown id. While the run
+  staleness, i.e. an asynchronous one; the timeline only for a run with timeline spans); 404
+  page for an unknown id. While the run
   is running the page polls ``/runs/{run_id}/live.json`` every ~2 s and redraws itself
   (``Plotly.react``) when the run's version marker changed; it stops when the run stops.
 * ``/runs/{run_id}/live.json``: ``{"version", "changed", "running", "status"}``, plus
@@ -44,6 +45,7 @@ from crossdc.dashboard import figures
 from crossdc.dashboard.figures import FIGURE_IDS, figure_json
 from crossdc.dashboard.page_data import (
     EVENTS_WITH_DETAIL,
+    MAX_TIMELINE_SPANS,
     AggregateCache,
     RunPageData,
     compare_data,
@@ -196,7 +198,8 @@ def runs_page(request: Request) -> HTMLResponse:
 
 
 def run_figures(data: RunPageData) -> dict[str, go.Figure]:
-    """The run page's figures by div id (the staleness charts only for a run that has staleness)."""
+    """The run page's figures by div id (the staleness charts only for a run that has staleness, the timeline only
+    for a run that has spans)."""
     rounds, run = data.rounds, data.run
     figs = {
         FIGURE_IDS["loss_vs_round"]: figures.loss_vs_round(rounds, data.events),
@@ -206,12 +209,15 @@ def run_figures(data: RunPageData) -> dict[str, go.Figure]:
             rounds, compression=figures.has_compression(run.get("config"))),
         FIGURE_IDS["time_breakdown"]: figures.time_breakdown(data.dc_summary),
         FIGURE_IDS["comm_comp_ratio"]: figures.comm_comp_ratio(data.dc_summary),
+        FIGURE_IDS["exposed_comm_comp_ratio"]: figures.exposed_comm_comp_ratio(data.dc_summary),
         FIGURE_IDS["drift_per_datacenter"]: figures.drift_per_datacenter(data.dc_sample),
         FIGURE_IDS["tau_schedule"]: figures.tau_schedule(rounds),
     }
     if data.has_staleness:
         figs[FIGURE_IDS["staleness_histogram"]] = figures.staleness_histogram(data.staleness_counts)
         figs[FIGURE_IDS["staleness_over_time"]] = figures.staleness_over_time(data.staleness_series)
+    if data.timeline:
+        figs[FIGURE_IDS["timeline"]] = figures.timeline(data.timeline, max_spans=MAX_TIMELINE_SPANS)
     return figs
 
 
@@ -220,6 +226,7 @@ RUN_FRAGMENTS: dict[str, str] = {
     "run-headline": "_run_headline.html",
     "dc-table": "_dc_table.html",
     "events-table": "_events_table.html",
+    "timeline-note": "_timeline_note.html",
 }
 #: The events table shows at most this many of the latest events (those with timestamp and detail).
 EVENTS_IN_TABLE = EVENTS_WITH_DETAIL
@@ -269,7 +276,7 @@ def _run_context(data: RunPageData) -> dict[str, Any]:
     return {
         "run": data.run, "totals": data.totals, "dc_summary": data.dc_summary, "dc_stride": data.dc_stride,
         "events": events, "events_total": data.events_total, "async_total": data.async_total,
-        "has_staleness": data.has_staleness,
+        "has_staleness": data.has_staleness, "timeline_shown": len(data.timeline), "timeline_total": data.timeline_total,
         "alert": figures.COMM_COMP_ALERT, "compression": figures.has_compression(data.run.get("config")),
     }
 

@@ -64,6 +64,14 @@ def crossdc_families(snapshot: MetricsSnapshot | None) -> list[Metric]:
     ratio = GaugeMetricFamily(
         "crossdc_datacenter_comm_comp_ratio",
         f"comm_s / compute_s of the datacenter's accepted rounds among {window} (alert above 0.1).", labels=dc)
+    exposed = GaugeMetricFamily(
+        "crossdc_datacenter_exposed_comm_comp_ratio",
+        f"idle_s / compute_s of the datacenter's accepted rounds among {window} where both were measured: the WAN and "
+        f"coordinator time its trainer waited for (alert above 0.1).", labels=dc)
+    utilisation = GaugeMetricFamily(
+        "crossdc_datacenter_trainer_utilisation",
+        f"compute_s / (compute_s + idle_s) of the datacenter's accepted rounds among {window} where both were "
+        f"measured: the share of its time the trainer computed.", labels=dc)
     compute = GaugeMetricFamily("crossdc_datacenter_compute_seconds",
                                 f"Sum of compute_s over accepted rounds among {window}.", labels=dc)
     comm = GaugeMetricFamily("crossdc_datacenter_comm_seconds", f"Sum of comm_s over accepted rounds among {window}.",
@@ -74,8 +82,10 @@ def crossdc_families(snapshot: MetricsSnapshot | None) -> list[Metric]:
                                   labels=[*dc, "status"])
     for w in snapshot.windows:
         labels = _text(w.run_id, w.datacenter)
-        if w.comm_comp_ratio is not None:
-            ratio.add_metric(labels, w.comm_comp_ratio)
+        for family, value in ((ratio, w.comm_comp_ratio), (exposed, w.exposed_comm_comp_ratio),
+                              (utilisation, w.trainer_utilisation)):
+            if value is not None:
+                family.add_metric(labels, value)
         compute.add_metric(labels, w.compute_s)
         comm.add_metric(labels, w.comm_s)
         overhead.add_metric(labels, w.overhead_s)
@@ -90,7 +100,7 @@ def crossdc_families(snapshot: MetricsSnapshot | None) -> list[Metric]:
         if d["last_seen_age_s"] is not None:
             seen.add_metric(_text(d["name"]), d["last_seen_age_s"])
     return [database_up, info, completed, planned, up, down, raw, heartbeat,
-            ratio, compute, comm, overhead, by_status, seen, dc_info]
+            ratio, exposed, utilisation, compute, comm, overhead, by_status, seen, dc_info]
 
 
 class CrossdcCollector(Collector):

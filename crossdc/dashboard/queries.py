@@ -25,10 +25,11 @@ from dataclasses import dataclass
 from datetime import datetime
 from typing import Any
 
-from sqlalchemy import ColumnElement, Connection, DateTime, Float, Table, and_, false, func, inspect, or_, select, text, true
+from sqlalchemy import ColumnElement, Connection, DateTime, Float, Table, and_, case, false, func, inspect, or_, select, text, true
 
+from crossdc.dashboard.figures import comm_comp, utilisation
 from crossdc.db.models import ASYNC_UPDATES, DATACENTER_ROUNDS, DATACENTERS, EVENTS, ROUNDS, RUNS
-from crossdc.db.queries import as_utc, utcnow
+from crossdc.db.queries import as_utc, list_timeline_spans, utcnow
 from crossdc.db.status import STALE_AFTER_MIN_S, STALE_AFTER_SLOWEST_ROUNDS, EffectiveStatus, effective_status, stale_after_s
 from crossdc.db.values import finite_or_none
 
@@ -53,6 +54,7 @@ EVENT_FIELDS: tuple[str, ...] = ("id", "at", "round", "kind", "datacenter", "det
 ASYNC_UPDATE_FIELDS: tuple[str, ...] = (
     "seq", "datacenter", "base_version", "applied_version", "staleness", "scale", "status", "bytes_up",
 )
+TIMELINE_SPAN_FIELDS: tuple[str, ...] = ("round", "datacenter", "kind", "start_s", "end_s", "fragment", "exchange")
 DATACENTER_FIELDS: tuple[str, ...] = (
     "name", "region", "gpus", "public_key", "status", "enrolled_at", "last_seen", "link_bandwidth_mbps", "link_rtt_ms",
     "node_id",
@@ -191,6 +193,19 @@ def async_updates_page(conn: Connection, run_id: str, *, since_seq: int | None, 
             .where(au.c.run_id == run_id, _after(au.c.seq, since_seq))
             .order_by(au.c.seq).limit(limit + 1))
     return _page(_rows(conn, au, ASYNC_UPDATE_FIELDS, stmt), "seq", since_seq, limit)
+
+
+def timeline_spans(conn: Connection, run_id: str, *, limit: int,
+                   datacenter: str | None = None) -> tuple[list[dict[str, Any]], bool]:
+    """The run's newest ``limit`` timeline spans (only ``datacenter``'s, when given) by datacenter then start, and
+    whether older ones were left out."""
+    if datacenter is not None and not storable(datacenter):
+        return [], False
+    rows = list_timeline_spans(conn, run_id, datacenter=datacenter, limit=limit + 1)
+    truncated = len(rows) > limit
+    if truncated:  # the extra one only says there is more: the oldest goes
+        rows.remove(min(rows, key=lambda r: (r["start_s"], r["id"])))
+    return [_clean(r, TIMELINE_SPAN_FIELDS) for r in rows], truncated
 
 
 def last_round(conn: Connection, run_id: str) -> int | None:
@@ -395,11 +410,24 @@ class DatacenterWindow:
     comm_s: float
     overhead_s: float
     by_status: dict[str, int]
+    #: Σidle_s and Σcompute_s over the accepted rows where both were measured (``None``: idle_s never measured)
+    idle_s: float | None = None
+    compute_idle_s: float | None = None
 
     @property
     def comm_comp_ratio(self) -> float | None:
         """``comm_s / compute_s`` over the window (flagged above 0.1, docs/glossary.md); ``None`` without compute time."""
-        return self.comm_s / self.compute_s if self.compute_s > 0 else None
+        return comm_comp(self.comm_s, self.compute_s)
+
+    @property
+    def exposed_comm_comp_ratio(self) -> float | None:
+        """Σidle_s / Σcompute_s over the window (flagged above 0.1, docs/glossary.md); ``None`` when not measured."""
+        return comm_comp(self.idle_s, self.compute_idle_s)
+
+    @property
+    def trainer_utilisation(self) -> float | None:
+        """Σcompute_s / Σ(compute_s + idle_s) over the window (docs/glossary.md); ``None`` when not measured."""
+        return utilisation(self.compute_idle_s, self.idle_s)
 
 
 @dataclass(frozen=True)
@@ -445,9 +473,11 @@ def _datacenter_windows(conn: Connection, run_id: str, window_rounds: int) -> li
     newest = conn.execute(select(func.max(dc.c.round)).where(dc.c.run_id == run_id)).scalar()
     if newest is None:
         return []
+    waited = and_(dc.c.idle_s.is_not(None), dc.c.compute_s.is_not(None))
     stmt = (select(dc.c.datacenter, dc.c.status, func.count().label("n"),
                    func.sum(dc.c.compute_s).label("compute_s"), func.sum(dc.c.comm_s).label("comm_s"),
-                   func.sum(dc.c.overhead_s).label("overhead_s"))
+                   func.sum(dc.c.overhead_s).label("overhead_s"), func.sum(case((waited, dc.c.idle_s))).label("idle_s"),
+                   func.sum(case((waited, dc.c.compute_s))).label("compute_idle_s"))
             .where(dc.c.run_id == run_id, dc.c.round > newest - window_rounds)
             .group_by(dc.c.datacenter, dc.c.status).order_by(dc.c.datacenter, dc.c.status))
     grouped: dict[str, list[Mapping[str, Any]]] = {}
@@ -460,9 +490,12 @@ def _datacenter_windows(conn: Connection, run_id: str, window_rounds: int) -> li
         def total(field: str, ok: list[Any] = ok) -> float:
             return float(sum(finite_or_none(r[field]) or 0.0 for r in ok))
 
+        measured = any(r["idle_s"] is not None for r in ok)
         out.append(DatacenterWindow(run_id=run_id, datacenter=name, rounds=sum(int(r["n"]) for r in rows),
                                     compute_s=total("compute_s"), comm_s=total("comm_s"), overhead_s=total("overhead_s"),
-                                    by_status={r["status"]: int(r["n"]) for r in rows}))
+                                    by_status={r["status"]: int(r["n"]) for r in rows},
+                                    idle_s=total("idle_s") if measured else None,
+                                    compute_idle_s=total("compute_idle_s") if measured else None))
     return out
 
 
@@ -512,5 +545,6 @@ __all__ = [
     "stale_after_s",
     "stale_running_run_ids",
     "storable",
+    "timeline_spans",
     "utcnow",
 ]

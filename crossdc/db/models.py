@@ -17,7 +17,9 @@ Column names are the API's field names. Conventions:
   slowest round, for its effective status), ``datacenter_rounds (run_id,
   datacenter, round)`` (one datacenter's rows) and ``events (run_id, id)``
   (a run's events in logging order; PostgreSQL's index on ``run_id`` alone
-  does not keep that order).
+  does not keep that order); revision 0008 adds ``timeline_spans (run_id,
+  datacenter, start_s)`` (one datacenter's spans in time order, and the newest
+  spans of a run from the index alone).
 
 Any change here needs a new Alembic revision in ``migrations/versions/``
 (``tests/test_db.py`` checks that the migrated schema matches these models).
@@ -53,6 +55,9 @@ ASYNC_UPDATE_STATUSES: tuple[str, ...] = ("applied", "discarded")
 DATACENTER_STATUSES: tuple[str, ...] = ("active", "suspended", "revoked")
 TOKEN_ROLES: tuple[str, ...] = ("admin", "enrollment", "read")
 AUDIT_OUTCOMES: tuple[str, ...] = ("ok", "refused", "failed")
+#: What a span of a datacenter's timeline is: its trainer computing or waiting (for the WAN or the coordinator), its
+#: update on the way up to the coordinator, or the coordinator's result on the way down to it.
+TIMELINE_SPAN_KINDS: tuple[str, ...] = ("compute", "wait", "up", "down")
 
 # Deterministic constraint names: Alembic (and SQLite batch mode) need them.
 NAMING_CONVENTION = {
@@ -209,6 +214,32 @@ class FragmentExchange(Base):
     round_s: Mapped[float | None] = mapped_column(Float)
 
 
+class TimelineSpan(Base):
+    """One span of a datacenter's timeline (revision 0008): what its trainer did (``compute``; ``wait``, for the WAN
+    or the coordinator) or what was in flight (``up``: its update on the way to the coordinator; ``down``: the
+    coordinator's result on the way to it), from ``start_s`` to ``end_s``, seconds since the run's start (on the
+    datacenter's clock for compute and wait, from the sender's clock to the receiver's for up and down). ``fragment`` and ``exchange``
+    place a span of a streaming run; other loops leave them NULL. Its non-key columns are the fields of
+    crossdc.db.records.TimelineSpanRecord, checked by their ``info``."""
+
+    __tablename__ = "timeline_spans"
+    __table_args__ = (
+        CheckConstraint(_in("kind", TIMELINE_SPAN_KINDS), name="kind"),
+        CheckConstraint("end_s >= start_s", name="end_after_start"),
+        Index("ix_timeline_spans_run_id_datacenter_start_s", "run_id", "datacenter", "start_s"),
+    )
+
+    id: Mapped[int] = mapped_column(_BigId, primary_key=True, autoincrement=True)
+    run_id: Mapped[str] = mapped_column(String(64), _run_fk(), index=True)
+    round: Mapped[int] = mapped_column(Integer, info={"minimum": 0})
+    datacenter: Mapped[str] = mapped_column(String(128))
+    kind: Mapped[str] = mapped_column(String(16), info={"choices": TIMELINE_SPAN_KINDS})
+    start_s: Mapped[float] = mapped_column(Float)
+    end_s: Mapped[float] = mapped_column(Float)
+    fragment: Mapped[int | None] = mapped_column(Integer, info={"minimum": 0})
+    exchange: Mapped[int | None] = mapped_column(Integer, info={"minimum": 1})
+
+
 class Event(Base):
     __tablename__ = "events"
     __table_args__ = (Index("ix_events_run_id_id", "run_id", "id"),)
@@ -301,6 +332,7 @@ __all__ = [
     "DATACENTER_ROUND_STATUSES",
     "DATACENTER_STATUSES",
     "RUN_STATUSES",
+    "TIMELINE_SPAN_KINDS",
     "TOKEN_ROLES",
     "AsyncUpdate",
     "Base",
@@ -311,6 +343,7 @@ __all__ = [
     "FragmentExchange",
     "Round",
     "Run",
+    "TimelineSpan",
     "metadata",
 ]
 
@@ -324,5 +357,6 @@ DATACENTERS: Table = Datacenter.__table__  # type: ignore[assignment]
 CHECKPOINTS: Table = Checkpoint.__table__  # type: ignore[assignment]
 ASYNC_UPDATES: Table = AsyncUpdate.__table__  # type: ignore[assignment]
 FRAGMENT_EXCHANGES: Table = FragmentExchange.__table__  # type: ignore[assignment]
+TIMELINE_SPANS: Table = TimelineSpan.__table__  # type: ignore[assignment]
 API_TOKENS: Table = ApiToken.__table__  # type: ignore[assignment]
 AUDIT_LOG: Table = AuditEntry.__table__  # type: ignore[assignment]

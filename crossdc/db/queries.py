@@ -23,6 +23,7 @@ from crossdc.db.models import EVENTS as _EVENTS
 from crossdc.db.models import FRAGMENT_EXCHANGES as _FRAGMENTS
 from crossdc.db.models import ROUNDS as _ROUNDS
 from crossdc.db.models import RUNS as _RUNS
+from crossdc.db.models import TIMELINE_SPANS as _SPANS
 
 Bind = Engine | Connection | Session
 
@@ -95,6 +96,27 @@ def list_fragment_exchanges(bind: Bind, run_id: str) -> list[dict[str, Any]]:
     return _rows(bind, _ordered(_FRAGMENTS, run_id, (_FRAGMENTS.c.exchange, _FRAGMENTS.c.datacenter)))
 
 
+def list_timeline_spans(bind: Bind, run_id: str, *, datacenter: str | None = None,
+                        limit: int | None = None) -> list[dict[str, Any]]:
+    """The run's ``timeline_spans`` rows (only ``datacenter``'s when given), by datacenter, then start, then id.
+
+    With ``limit``, only the newest ``limit`` spans (the latest ``start_s``, the last logged among equal ones): a
+    long run has many, and a timeline shows its end. They are picked from the index on (run_id, datacenter,
+    start_s) before any row is read.
+    """
+    if limit is not None and limit < 0:
+        raise ValueError(f"limit must be >= 0, got {limit}")
+    chosen = select(_SPANS.c.id).where(_SPANS.c.run_id == run_id)
+    if datacenter is not None:
+        chosen = chosen.where(_SPANS.c.datacenter == datacenter)
+    if limit is not None:
+        chosen = chosen.order_by(_SPANS.c.start_s.desc(), _SPANS.c.id.desc()).limit(limit)
+    ids = chosen.subquery()
+    stmt = (select(_SPANS).join(ids, _SPANS.c.id == ids.c.id)
+            .order_by(_SPANS.c.datacenter, _SPANS.c.start_s, _SPANS.c.id))
+    return _rows(bind, stmt)
+
+
 def list_checkpoints(bind: Bind, run_id: str) -> list[dict[str, Any]]:
     """The run's ``checkpoints`` rows, by round."""
     return _rows(bind, _ordered(_CHECKPOINTS, run_id, (_CHECKPOINTS.c.round,)))
@@ -120,5 +142,6 @@ __all__ = [
     "list_events",
     "list_rounds",
     "list_runs",
+    "list_timeline_spans",
     "parse_flower_run_ids",
 ]

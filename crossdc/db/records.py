@@ -1,10 +1,12 @@
 """Typed rows of the run log: one record type per table the round loops write, derived from the SQL models.
 
 A :class:`DatacenterRoundRecord` is one datacenter's part of one round (a ``datacenter_rounds`` row without its
-key: run, round, datacenter). Its fields are the model's columns — written once, in :mod:`crossdc.db.models` —
-and :meth:`~DatacenterRoundRecord.validated` checks every value against its column: the column's type (integer,
-number, text), whether it may be NULL, its ``info`` bounds (``minimum``) and allowed values (``choices``).
-A bad value raises TypeError or ValueError naming the column, before anything is written.
+key: run, round, datacenter); a :class:`TimelineSpanRecord` is one span of a datacenter's timeline (a
+``timeline_spans`` row without its run: round, datacenter, kind, start_s, end_s, and a streaming run's fragment
+and exchange). Their fields are the models' columns — written once, in :mod:`crossdc.db.models` — and
+``validated()`` checks every value against its column: the column's type (integer, number, text), whether it may
+be NULL, its ``info`` bounds (``minimum``) and allowed values (``choices``). A bad value raises TypeError or
+ValueError naming the column, before anything is written.
 """
 
 from __future__ import annotations
@@ -15,10 +17,12 @@ from typing import Any
 
 from sqlalchemy import Column, Float, Integer, String, Table, Text
 
-from crossdc.db.models import DATACENTER_ROUNDS
+from crossdc.db.models import DATACENTER_ROUNDS, TIMELINE_SPANS
 
 #: the columns of ``datacenter_rounds`` that place a row rather than describe it
 DATACENTER_ROUND_KEY = ("id", "run_id", "round", "datacenter")
+#: the columns of ``timeline_spans`` that the run log fills in (a batch of spans belongs to one run)
+TIMELINE_SPAN_KEY = ("id", "run_id")
 
 
 def _python_type(column: Column) -> type:
@@ -104,3 +108,10 @@ def _record_class(name: str, table: Table, key: Iterable[str], doc: str) -> type
 DatacenterRoundRecord = _record_class(
     "DatacenterRoundRecord", DATACENTER_ROUNDS, DATACENTER_ROUND_KEY,
     "One datacenter's part of one round: a datacenter_rounds row without its key (fields = the model's columns).")
+
+#: one span of a datacenter's timeline (round, datacenter, kind, start_s, end_s required; fragment, exchange optional)
+TimelineSpanRecord = _record_class(
+    "TimelineSpanRecord", TIMELINE_SPANS, TIMELINE_SPAN_KEY,
+    "One span of a datacenter's timeline: a timeline_spans row without its run (fields = the model's columns).")
+
+__all__ = ["DATACENTER_ROUND_KEY", "TIMELINE_SPAN_KEY", "DatacenterRoundRecord", "TimelineSpanRecord", "check_value"]

@@ -23,9 +23,9 @@ database does not kill a run.
 * Writes are idempotent where it matters: a batch retried after an error that
   hid a successful commit does not duplicate ``runs``, ``rounds``,
   ``datacenter_rounds``, ``async_updates``, ``checkpoints`` or ``datacenters``
-  rows (upserts on their unique keys). ``events`` rows have no natural key; in
-  that rare case (commit succeeded, acknowledgement lost) an event can appear
-  twice.
+  rows (upserts on their unique keys). ``events`` and ``timeline_spans`` rows
+  have no natural key; in that rare case (commit succeeded, acknowledgement
+  lost) an event or a batch of spans can appear twice.
 * A record the database rejects for a reason that retrying cannot fix (an
   integrity error, e.g. a round for a run that was never started) is dropped
   and logged at ERROR level; the others are written. ``stats()["rejected"]``
@@ -36,10 +36,11 @@ from __future__ import annotations
 
 import json
 import logging
+import math
 import threading
 import time
 from collections import deque
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from datetime import datetime
 from typing import Any
 
@@ -62,8 +63,9 @@ from crossdc.db.models import EVENTS as _EVENTS
 from crossdc.db.models import FRAGMENT_EXCHANGES as _FRAGMENTS
 from crossdc.db.models import ROUNDS as _ROUNDS
 from crossdc.db.models import RUNS as _RUNS
+from crossdc.db.models import TIMELINE_SPANS as _SPANS
 from crossdc.db.queries import utcnow
-from crossdc.db.records import DatacenterRoundRecord
+from crossdc.db.records import DatacenterRoundRecord, TimelineSpanRecord
 from crossdc.db.values import json_safe, non_finite_text
 
 log = logging.getLogger(__name__)
@@ -119,6 +121,21 @@ def _choice(name: str, value: Any, allowed: tuple[str, ...]) -> str:
     if value not in allowed:
         raise ValueError(f"{name} must be one of {', '.join(allowed)}; got {value!r}")
     return value
+
+
+def _timeline_span(index: int, span: Any) -> dict[str, Any]:
+    """Span ``index`` of a batch as the columns it is written to; TypeError/ValueError saying which span and why."""
+    if not isinstance(span, TimelineSpanRecord):
+        raise TypeError(f"spans[{index}] must be a TimelineSpanRecord, got {type(span).__name__}")
+    try:
+        row = span.validated()
+    except (TypeError, ValueError) as err:
+        raise type(err)(f"spans[{index}]: {err}") from err
+    if not (math.isfinite(row["start_s"]) and math.isfinite(row["end_s"])):
+        raise ValueError(f"spans[{index}]: start_s and end_s must be finite, got {row['start_s']} and {row['end_s']}")
+    if row["end_s"] < row["start_s"]:
+        raise ValueError(f"spans[{index}]: end_s must be >= start_s, got start_s={row['start_s']}, end_s={row['end_s']}")
+    return row
 
 
 def _json_default(obj: Any) -> Any:
@@ -230,8 +247,12 @@ def _op_fragment_exchange(conn: Connection, v: dict[str, Any]) -> None:
     _upsert(conn, _FRAGMENTS, v, ("run_id", "exchange", "datacenter"))
 
 
+def _op_timeline_spans(conn: Connection, v: dict[str, Any]) -> None:
+    conn.execute(insert(_SPANS), [{"run_id": v["run_id"], **span} for span in v["spans"]])
+
+
 def _op_forget_rounds_after(conn: Connection, v: dict[str, Any]) -> None:
-    for table in (_ROUNDS, _DC_ROUNDS, _CHECKPOINTS, _FRAGMENTS):
+    for table in (_ROUNDS, _DC_ROUNDS, _CHECKPOINTS, _FRAGMENTS, _SPANS):
         conn.execute(delete(table).where(table.c.run_id == v["run_id"], table.c.round > v["round"]))
 
 
@@ -397,8 +418,9 @@ class RunLog:
         self._put("resume_run", _op_resume_run, {"run_id": _text("run_id", run_id), "at": utcnow()})
 
     def forget_rounds_after(self, *, run_id: str, round: int) -> None:  # noqa: A002
-        """Delete the run's ``rounds``, ``datacenter_rounds`` and ``checkpoints`` rows after ``round``: a run resumed
-        from the checkpoint of ``round`` trains them again, and each round is in the log once."""
+        """Delete the run's ``rounds``, ``datacenter_rounds``, ``checkpoints``, ``fragment_exchanges`` and
+        ``timeline_spans`` rows after ``round``: a run resumed from the checkpoint of ``round`` trains them again, and
+        each round is in the log once."""
         self._put("forget_rounds_after", _op_forget_rounds_after,
                   {"run_id": _text("run_id", run_id), "round": _int("round", round, nullable=False, minimum=0)})
 
@@ -521,6 +543,18 @@ class RunLog:
                 "round_s": _float("round_s", round_s),
             },
         )
+
+    def log_timeline_spans(self, *, run_id: str, spans: Sequence[TimelineSpanRecord]) -> None:
+        """Record a batch of spans of the run's per-datacenter timelines (one record, one transaction; none: nothing).
+
+        Each span is checked against its column (a ``kind`` outside ``TIMELINE_SPAN_KINDS`` is a ValueError), its
+        times must be finite with ``end_s >= start_s``; a bad span raises naming its place in ``spans``, and then
+        nothing of the batch is queued. Spans have no natural key: like an event, a batch retried after an error
+        that hid its commit can appear twice.
+        """
+        rows = [_timeline_span(i, span) for i, span in enumerate(spans)]
+        if rows:
+            self._put("timeline_spans", _op_timeline_spans, {"run_id": _text("run_id", run_id), "spans": rows})
 
     def log_checkpoint(self, *, run_id: str, round: int, uri: str) -> None:  # noqa: A002
         """Record a checkpoint of ``run_id`` taken after ``round`` (``created_at`` now)."""

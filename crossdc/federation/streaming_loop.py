@@ -40,6 +40,7 @@ from crossdc.federation.grid_io import FederationError, collect_replies
 from crossdc.federation.server_checkpoint import SETTINGS_ATTEMPT, SETTINGS_RESUME, ServerCheckpointer
 from crossdc.federation.session import merge_rows
 from crossdc.federation.sync_loop import MAX_ROUNDS_WITHOUT_UPDATES, start_session
+from crossdc.federation.timeline import exchange_spans
 from crossdc.protocol import CONFIG_KEY, encode_results, encode_tensors, payload_bytes
 from crossdc.strategies.base import StrategyError
 from crossdc.strategies.streaming_diloco import StreamingDiLoCo
@@ -68,11 +69,14 @@ def run_streaming(grid: Grid, run_dir: RunDir, run_id: str, config: ExperimentCo
     results: dict[int, dict[str, np.ndarray]] = {}
     exchanges_without_updates = 0
     first_round = 1
+    timeline_zero = time.time()  # the timeline's 0 s: the start of the run's first attempt
     if settings.get(SETTINGS_RESUME):
         last_round, carried = session.resume(checkpointer, attempt, nodes)
         first_round = last_round + 1
         exchanges_without_updates = carried["exchanges_without_updates"]
         results = {int(k): v for k, v in carried["results"].items()}
+        timeline_zero = float(carried.get("timeline_zero", timeline_zero))
+    carried_at: dict[int, float] = {}  # when the message carrying each result was pushed (wall-clock)
     first_exchange = schedule.exchange(first_round, 0)
     pushed: dict[int, float] = {}  # when each exchange's messages were posted (wall-clock, for durations only)
     round_rows: dict[str, list[DatacenterRoundRecord]] = {}
@@ -103,6 +107,7 @@ def run_streaming(grid: Grid, run_dir: RunDir, run_id: str, config: ExperimentCo
             messages[name] = Message(content, dst_node_id=node, message_type=MessageType.TRAIN, ttl=timeout_s)
             bytes_down[name] = payload_bytes(content)
         pushed_at = pushed[exchange] = time.time()
+        carried_at.update(dict.fromkeys(results_of, pushed_at))
         ids = list(grid.push_messages(list(messages.values())))
         id_of = dict(zip(messages, ids, strict=True))
         replies = collect_replies(grid, ids, timeout_s)
@@ -133,6 +138,16 @@ def run_streaming(grid: Grid, run_dir: RunDir, run_id: str, config: ExperimentCo
         results[exchange] = strategy.exchange_result({n: session.weights[n] for n in names}, mean)
         kept = set(schedule.results_needed_after(exchange, eager))
         results = {k: v for k, v in results.items() if k in kept}
+        spans = []
+        for name, outcome in judged.items():
+            reply = replies.get(id_of[name])
+            if outcome.update is not None and reply is not None:
+                spans += exchange_spans(outcome.update.metrics, datacenter=name, exchange=exchange,
+                                        run_started=timeline_zero, replied_at=reply.received_at,
+                                        carried_at=carried_at, locate=schedule.locate)
+        runlog.log_timeline_spans(run_id=run_id, spans=spans)
+        # a result's arrival is told with the trainer's next send after it, one or two exchanges on
+        carried_at = {k: at for k, at in carried_at.items() if k >= exchange - schedule.fragments - 2}
         for name, outcome in judged.items():
             record = session.finish_record(name, outcome, pushed_at, bytes_down=bytes_down[name],
                                            update_cosine=cosines.get(name))
@@ -164,6 +179,7 @@ def run_streaming(grid: Grid, run_dir: RunDir, run_id: str, config: ExperimentCo
             if checkpointer is not None and checkpointer.due(server_round):
                 # every datacenter saved its replica after this send; what is in flight is `results`
                 session.checkpoint(checkpointer, server_round,
-                                   {"exchanges_without_updates": exchanges_without_updates, "results": results})
+                                   {"exchanges_without_updates": exchanges_without_updates, "results": results,
+                                    "timeline_zero": timeline_zero})
     session.save_final_weights()
     return session.summary(time.perf_counter() - run_started, fragments=schedule.fragments)
