@@ -9,6 +9,7 @@ import signal
 import subprocess
 import time
 import tomllib
+from collections.abc import Callable
 from pathlib import Path
 
 import numpy as np
@@ -48,6 +49,27 @@ def _rounds_logged(db_url: str, run_id: str) -> int:
         return 0
 
 
+def _run_and_kill_when(config: Path, db_url: str, runs: Path, env: dict[str, str], ready: Callable[[str], bool],
+                       within_s: float, poll_s: float) -> str:
+    """Start `crossdc run config`, SIGKILL its coordinator once `ready(run_id)` holds (within `within_s`), and return
+    the run's id; fails if the run ended first."""
+    coordinator = subprocess.Popen([CROSSDC, "run", str(config), "--db", db_url, "--port", str(free_port()),
+                                    "--runs-dir", str(runs)], stdout=subprocess.PIPE, stderr=subprocess.DEVNULL,
+                                   env=env, start_new_session=True)
+    deadline = time.monotonic() + within_s
+    run_id = None
+    while time.monotonic() < deadline and coordinator.poll() is None:
+        folders = [p.name for p in runs.glob("*") if p.is_dir()] if runs.exists() else []
+        run_id = folders[0] if folders else None
+        if run_id and ready(run_id):
+            break
+        time.sleep(poll_s)
+    assert run_id and coordinator.poll() is None, "the run ended before it could be interrupted"
+    os.kill(coordinator.pid, signal.SIGKILL)
+    coordinator.wait(timeout=30)
+    return run_id
+
+
 def test_state_store_keeps_history_and_rewinds(tmp_path: Path) -> None:
     store = DatacenterStateStore(tmp_path, "run", "dc")
     store.keep_from = 0
@@ -84,20 +106,8 @@ def test_killed_coordinator_resumes_to_the_same_model(tmp_path: Path) -> None:
 
         # the same run, its coordinator SIGKILLed once round 5 is logged (checkpoints of rounds 2 and 4 exist)
         runs = tmp_path / "runs"
-        coordinator = subprocess.Popen([CROSSDC, "run", str(config), "--db", db_url, "--port", str(free_port()),
-                                        "--runs-dir", str(runs)], stdout=subprocess.PIPE, stderr=subprocess.DEVNULL,
-                                       env=env, start_new_session=True)
-        deadline = time.monotonic() + 200
-        run_id = None
-        while time.monotonic() < deadline and coordinator.poll() is None:
-            folders = [p.name for p in runs.glob("*") if p.is_dir()] if runs.exists() else []
-            run_id = folders[0] if folders else None
-            if run_id and _rounds_logged(db_url, run_id) >= 5:
-                break
-            time.sleep(0.2)
-        assert run_id and coordinator.poll() is None, "the run ended before it could be interrupted"
-        os.kill(coordinator.pid, signal.SIGKILL)
-        coordinator.wait(timeout=30)
+        run_id = _run_and_kill_when(config, db_url, runs, env, lambda run: _rounds_logged(db_url, run) >= 5,
+                                    within_s=200, poll_s=0.2)
         time.sleep(1.0)
         kill_processes_with_env(MARKER, str(tmp_path))  # what the dead coordinator's children left (they die with it)
         logged = read_run(db_url, run_id)
@@ -171,20 +181,9 @@ def test_streaming_run_killed_with_a_fragment_in_flight_resumes_to_the_same_mode
     env = {**os.environ, MARKER: str(tmp_path)}
     runs = tmp_path / "runs"
     try:
-        coordinator = subprocess.Popen([CROSSDC, "run", str(config), "--db", db_url, "--port", str(free_port()),
-                                        "--runs-dir", str(runs)], stdout=subprocess.PIPE, stderr=subprocess.DEVNULL,
-                                       env=env, start_new_session=True)
-        deadline = time.monotonic() + 300
-        run_id = None
-        while time.monotonic() < deadline and coordinator.poll() is None:
-            folders = [p.name for p in runs.glob("*") if p.is_dir()] if runs.exists() else []
-            run_id = folders[0] if folders else None
-            if run_id and any(e["round"] == 3 for e in _exchanges_logged(db_url, run_id)):
-                break
-            time.sleep(0.1)
-        assert run_id and coordinator.poll() is None, "the run ended before it could be interrupted"
-        os.kill(coordinator.pid, signal.SIGKILL)
-        coordinator.wait(timeout=30)
+        run_id = _run_and_kill_when(
+            config, db_url, runs, env, lambda run: any(e["round"] == 3 for e in _exchanges_logged(db_url, run)),
+            within_s=300, poll_s=0.1)
         kill_processes_with_env(MARKER, str(tmp_path))
         logged = read_run(db_url, run_id)
         assert len(logged["rounds"]) == 2, "the kill was to land inside round 3"

@@ -165,7 +165,8 @@ class FragmentSchedule:
         if sent < 1:
             yield from self.events(last_exchange)
             return
-        position = (self.send_step(sent), sent - 0.5)  # the send's place in _order
+        server_round, fragment = self.locate(sent)
+        position = _order(Event(self.send_step(sent), SEND, sent, fragment, server_round))
         first = max(1, sent - self.fragments)  # a merge of an earlier exchange may follow, τ_o ≤ H/P steps later
         yield from (event for event in self.events(last_exchange, first) if _order(event) > position)
 
