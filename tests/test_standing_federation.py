@@ -23,10 +23,11 @@ from namespaced import DATACENTER_ENV, crossed, emulated_datacenters, ledger_siz
 from crossdc.clients.enroll import node_key
 from crossdc.dashboard.app import create_app
 from crossdc.db.engine import make_engine, upgrade
+from crossdc.db.queries import parse_flower_run_ids
 from crossdc.db.security import audit_entries
 from crossdc.deployment.background_server import start_background, uvicorn_config
 from crossdc.deployment.fleet_front import start_front
-from crossdc.deployment.superlink_control import SuperLinkControl
+from crossdc.deployment.superlink_control import ControlError, SuperLinkControl
 from crossdc.deployment.tls import make_certificates
 from crossdc.experiment.links import LINK_PROFILES
 from crossdc.experiment.processes import ProcessGroup, flower_env, free_port, kill_processes_with_env
@@ -139,6 +140,11 @@ def _operate_and_enroll(tmp_path: Path, env: dict[str, str], processes: ProcessG
         logged = read_run(db_url, run_id)
         assert logged["run"]["status"] == "finished"
         assert len(logged["dc_rounds"]) == 6 and all(r["status"] == "ok" for r in logged["dc_rounds"])
+        # Flower's own view of the run, from its Control API (what a local run checks in place of `flwr ls`)
+        flower_run = parse_flower_run_ids(logged["run"]["flower_run_ids"])[-1]
+        assert control.run_status(flower_run)[0] == "finished:completed"
+        with pytest.raises(ControlError, match="reading the run.s status failed|no run"):
+            control.run_status(flower_run + 1)
         for name in DATACENTERS:
             assert (tmp_path / name / "runs" / run_id / "run.json").exists()
         # only Fleet API calls crossed the front

@@ -71,3 +71,69 @@ def test_a_crossdc_supernode_starts_as_flowers_does() -> None:
     result = subprocess.run([*supernode.command(), "--help"], capture_output=True, text=True, timeout=120)
     assert result.returncode == 0, result.stderr
     assert "--superlink" in result.stdout and "usage: flower-supernode" in result.stdout
+
+
+def test_the_installed_flwr_starts_its_processes_as_crossdc_expects() -> None:
+    """Fails when flwr changes how its SuperNode starts the SuperExec, how the SuperExec starts a ClientApp, or what
+    the package of its entry points imports: review crossdc.clients.supernode then."""
+    import inspect
+
+    from flwr.supercore.constant import TASK_TYPE_TO_COMMAND, TaskType
+
+    loop = importlib.import_module(supernode.LOOP_MODULE)
+    assert f'"{supernode.SUPEREXEC}"' in inspect.getsource(loop) and "subprocess.Popen(command)" in inspect.getsource(loop)
+    executor = importlib.import_module(supernode.CLIENTAPP_LAUNCH_MODULE)
+    assert TASK_TYPE_TO_COMMAND[TaskType.CLIENT_APP] == supernode.CLIENTAPP
+    assert "subprocess.Popen(" in inspect.getsource(executor) and executor.subprocess.__name__ == "subprocess"
+    spec = importlib.util.find_spec(supernode.CLI_PACKAGE)
+    assert spec is not None and spec.origin is not None
+    assert supernode.cli_package_imports(Path(spec.origin).read_text()) == supernode.KNOWN_CLI_IMPORTS
+
+
+def test_flowers_launches_start_crossdcs_processes_with_the_same_arguments(monkeypatch: pytest.MonkeyPatch) -> None:
+    import subprocess
+
+    started: list[list[str]] = []
+    monkeypatch.setattr(subprocess, "Popen", lambda args, *rest, **options: started.append(list(args)))
+    loop = fresh_copy_of_flowers_loop()
+    supernode.patch_launch(loop, supernode.SUPEREXEC, "source")
+    loop.subprocess.Popen([supernode.SUPEREXEC, "--insecure", "--parent-pid", "7"])
+    loop.subprocess.Popen(["something-else", "--flag"])  # any other command is started as it is
+    assert started == [[*supernode.command(supernode.SUPEREXEC), "--insecure", "--parent-pid", "7"],
+                       ["something-else", "--flag"]]
+    assert started[0][1:4] == ["-m", "crossdc.clients.supernode", "--as"]
+    assert loop.subprocess.DEVNULL is subprocess.DEVNULL  # everything else is the subprocess module's own
+    with pytest.raises(ValueError, match="crossdc starts"):
+        supernode.command("flwr-serverapp")
+
+
+def test_a_changed_launch_or_package_is_refused(tmp_path: Path) -> None:
+    (tmp_path / "launch_v2.py").write_text('import subprocess\n\ndef go():\n    subprocess.run(["flower-superexec"])\n')
+    with pytest.raises(supernode.FlowerLoopChanged, match="no longer starts flower-superexec"):
+        supernode.patch_launch(load_module(tmp_path / "launch_v2.py"), supernode.SUPEREXEC, "source")
+    (tmp_path / "launch_v3.py").write_text('import subprocess\n\ndef go():\n    subprocess.Popen(["flower-superexec-2"])\n')
+    with pytest.raises(supernode.FlowerLoopChanged):
+        supernode.patch_launch(load_module(tmp_path / "launch_v3.py"), supernode.SUPEREXEC, "source")
+    known = '"""Doc."""\n\nfrom .flower_supernode import flower_supernode\nfrom .flwr_clientapp import flwr_clientapp\n\n__all__ = ["x"]\n'
+    assert supernode.cli_package_imports(known) == supernode.KNOWN_CLI_IMPORTS
+    changed = supernode.cli_package_imports(known + "register_plugins()\n")
+    assert changed != supernode.KNOWN_CLI_IMPORTS and "?" in changed
+
+
+def test_a_clientapp_starts_without_the_supernodes_command_line() -> None:
+    """crossdc's ClientApp process runs Flower's own flwr-clientapp (its usage, its options) without importing the
+    SuperNode's command line, the costly half of flwr.supernode.cli."""
+    import subprocess
+    import sys
+
+    probe = ("import runpy, sys\n"
+             "sys.argv = ['supernode', '--as', 'flwr-clientapp', '--help']\n"
+             "try:\n    runpy.run_module('crossdc.clients.supernode', run_name='__main__')\n"
+             "except SystemExit:\n    pass\n"
+             "print('loaded:', 'flwr.supernode.cli.flower_supernode' in sys.modules, 'flwr.supernode.cli.flwr_clientapp' in sys.modules)\n")
+    result = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, timeout=120)
+    assert result.returncode == 0, result.stderr
+    assert "usage: flwr-clientapp" in result.stdout and "--runtime-api-address" in result.stdout
+    assert "loaded: False True" in result.stdout
+    refused = subprocess.run([*supernode.command()[:3], "--as", "flwr-serverapp"], capture_output=True, text=True, timeout=120)
+    assert refused.returncode != 0 and "--as takes flower-superexec or flwr-clientapp" in refused.stderr

@@ -1,4 +1,5 @@
-"""Flower's SuperNode as crossdc starts it: flwr 1.42's own ``flower-supernode``, with shorter waits in its loop.
+"""Flower's SuperNode as crossdc starts it: flwr 1.42's own ``flower-supernode``, with shorter waits in its loop
+and a lighter start for each ClientApp.
 
 flwr 1.42's SuperNode (``flwr/supernode/start_client_internal.py``) handles one message at a time: it pulls a
 message, waits for the ClientApp's reply, pushes it, and pulls again. Two fixed waits in that loop cost every
@@ -17,15 +18,33 @@ Promises:
 
 An idle SuperNode then asks the SuperLink for work about every ``IDLE_POLL_S`` plus a round trip; each such pull
 is a small request (a few hundred bytes each way), which the link ledger does not count as payload.
+
+**A lighter ClientApp start.** Every message starts a new ClientApp process: the SuperNode starts Flower's SuperExec
+(``flower-superexec``), which starts ``flwr-clientapp`` per message. Flower's ``flwr-clientapp`` entry point imports
+the package ``flwr.supernode.cli``, whose ``__init__`` also imports the SuperNode's own command line and with it a
+web server, an SQL object store and Alembic: about 1.5 s of CPU that a ClientApp never uses (3.1 s of imports
+against 1.7 s without them, measured on the 2-core development machine), paid by every message, on a machine the
+ClientApp shares with the datacenter's trainer. crossdc's SuperNode starts the SuperExec as
+``python -m crossdc.clients.supernode --as flower-superexec`` (Flower's own entry point), which starts each ClientApp
+as ``python -m crossdc.clients.supernode --as flwr-clientapp``: Flower's own ``flwr_clientapp`` function, imported
+without that package ``__init__`` (:func:`clientapp_main`). Promises: the same processes with the same arguments
+run the same Flower functions; :func:`patch_launch` and :func:`clientapp_main` refuse, with
+:class:`FlowerLoopChanged`, a flwr whose launch code or package ``__init__`` is not the one this was written against.
 """
 
 from __future__ import annotations
 
+import ast
+import importlib
+import importlib.util
 import inspect
 import re
+import subprocess
 import sys
 import time
 import types
+from collections.abc import Sequence
+from pathlib import Path
 from typing import Any
 
 #: how long an idle SuperNode waits between two pulls that found nothing (flwr 1.42: 3 s)
@@ -85,14 +104,120 @@ def patch_supernode_loop(module: types.ModuleType | None = None) -> None:
     module.time = _ShorterWaits(SHORTER_WAITS)  # type: ignore[attr-defined]
 
 
-def command() -> list[str]:
-    """The start of a SuperNode's command line (its arguments follow, as for ``flower-supernode``)."""
-    return [sys.executable, "-m", __name__]
+#: Flower's processes crossdc starts in their place: the SuperNode starts the SuperExec by this name (in its loop
+#: module), the SuperExec a ClientApp by that one (in its subprocess executor)
+SUPEREXEC = "flower-superexec"
+CLIENTAPP = "flwr-clientapp"
+CLIENTAPP_LAUNCH_MODULE = "flwr.supercore.superexec.executor.subprocess_executor"
+#: the package of flwr's SuperNode entry points, and the names its ``__init__`` imports (flwr 1.42.0)
+CLI_PACKAGE = "flwr.supernode.cli"
+KNOWN_CLI_IMPORTS: dict[str, tuple[str, ...]] = {"flower_supernode": ("flower_supernode",),
+                                                 "flwr_clientapp": ("flwr_clientapp",)}
+#: the option that picks which of Flower's processes ``python -m crossdc.clients.supernode`` is
+AS_OPTION = "--as"
+#: this module's name (``__name__`` is ``__main__`` when it runs as ``python -m``)
+MODULE = "crossdc.clients.supernode"
+
+
+def command(process: str = "flower-supernode") -> list[str]:
+    """The start of the command line of one of Flower's processes as crossdc starts it (its arguments follow, as for
+    Flower's own): ``flower-supernode`` (the default), :data:`SUPEREXEC` or :data:`CLIENTAPP`."""
+    if process == "flower-supernode":
+        return [sys.executable, "-m", MODULE]
+    if process not in (SUPEREXEC, CLIENTAPP):
+        raise ValueError(f"crossdc starts flower-supernode, {SUPEREXEC} or {CLIENTAPP}, not {process!r}")
+    return [sys.executable, "-m", MODULE, AS_OPTION, process]
+
+
+class _RenamedLaunches(types.ModuleType):
+    """Stands in for the ``subprocess`` module inside a flwr module: the same module, except that ``Popen`` of one of
+    Flower's commands starts crossdc's command for it instead (same arguments)."""
+
+    def __init__(self, commands: dict[str, list[str]]) -> None:
+        super().__init__("subprocess")
+        self._commands = commands
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(subprocess, name)
+
+    def Popen(self, args: Any, *rest: Any, **options: Any) -> subprocess.Popen[Any]:  # noqa: N802 (subprocess's name)
+        if isinstance(args, list | tuple) and args and args[0] in self._commands:
+            args = [*self._commands[args[0]], *args[1:]]
+        return subprocess.Popen(args, *rest, **options)
+
+
+def patch_launch(module: types.ModuleType, flower_command: str, launched_as: str) -> None:
+    """Make `module` (a flwr module that starts `flower_command` with ``subprocess.Popen``) start crossdc's
+    :func:`command` for it instead. FlowerLoopChanged when the module does not start it that way: it does not use
+    the ``subprocess`` module by that name, or neither its source nor ``TASK_TYPE_TO_COMMAND`` names the command as
+    `launched_as` says (``source`` or ``task-type``)."""
+    source = inspect.getsource(module)
+    if launched_as == "source":
+        names_it = f'"{flower_command}"' in source
+    else:
+        from flwr.supercore.constant import TASK_TYPE_TO_COMMAND, TaskType
+
+        names_it = TASK_TYPE_TO_COMMAND.get(TaskType.CLIENT_APP) == flower_command and "TASK_TYPE_TO_COMMAND" in source
+    current = getattr(module, "subprocess", None)
+    if not names_it or "subprocess.Popen(" not in source or not (current is subprocess or isinstance(current, _RenamedLaunches)):
+        raise FlowerLoopChanged(f"{module.__name__} no longer starts {flower_command} with subprocess.Popen: flwr's "
+                                "process launch changed; review crossdc.clients.supernode before using this flwr version")
+    module.subprocess = _RenamedLaunches({flower_command: command(flower_command)})  # type: ignore[attr-defined]
+
+
+def cli_package_imports(source: str) -> dict[str, tuple[str, ...]]:
+    """What a package ``__init__``'s source imports from its own submodules (``from .m import a, b``), by submodule;
+    any other import or statement with an effect is listed under ``"?"``."""
+    found: dict[str, tuple[str, ...]] = {}
+    for node in ast.parse(source).body:
+        if isinstance(node, ast.ImportFrom) and node.level == 1 and node.module:
+            found[node.module] = tuple(alias.name for alias in node.names)
+        elif isinstance(node, ast.Assign) and all(isinstance(t, ast.Name) and t.id == "__all__" for t in node.targets):
+            continue
+        elif not (isinstance(node, ast.Expr) and isinstance(node.value, ast.Constant)):  # a docstring is harmless
+            found.setdefault("?", ())
+            found["?"] += (ast.dump(node)[:60],)
+    return found
+
+
+def clientapp_main(argv: Sequence[str]) -> int:
+    """Flower's ``flwr-clientapp`` with arguments `argv`, its function imported without the SuperNode's command line
+    (see the module docstring). FlowerLoopChanged when ``flwr.supernode.cli``'s ``__init__`` does more than import
+    its two entry points."""
+    spec = importlib.util.find_spec(CLI_PACKAGE)  # imports flwr.supernode, not the package itself
+    if spec is None or spec.origin is None or not spec.submodule_search_locations:
+        raise FlowerLoopChanged(f"{CLI_PACKAGE} is not a package here: review crossdc.clients.supernode")
+    found = cli_package_imports(Path(spec.origin).read_text())
+    if found != KNOWN_CLI_IMPORTS:
+        raise FlowerLoopChanged(f"{CLI_PACKAGE}'s __init__ imports {found}, crossdc knows {KNOWN_CLI_IMPORTS}: review "
+                                "crossdc.clients.supernode before using this flwr version")
+    if CLI_PACKAGE not in sys.modules:  # the package without its __init__: its submodules import as usual
+        package = importlib.util.module_from_spec(spec)
+        sys.modules[CLI_PACKAGE] = package
+    from flwr.supernode.cli.flwr_clientapp import flwr_clientapp
+
+    sys.argv = [CLIENTAPP, *argv]
+    result = flwr_clientapp()
+    return 0 if result is None else int(result)
 
 
 def main() -> None:
-    """``flower-supernode`` with the shorter waits."""
+    """``flower-supernode`` with the shorter waits (and its SuperExec started as crossdc's); with ``--as
+    flower-superexec`` or ``--as flwr-clientapp`` first, that process of Flower's instead."""
+    args = sys.argv[1:]
+    if args[:1] == [AS_OPTION]:
+        process, rest = (args[1] if len(args) > 1 else ""), args[2:]
+        if process == SUPEREXEC:
+            patch_launch(importlib.import_module(CLIENTAPP_LAUNCH_MODULE), CLIENTAPP, "task-type")
+            from flwr.supercore.cli import flower_superexec
+
+            sys.argv = [SUPEREXEC, *rest]
+            sys.exit(flower_superexec())
+        if process == CLIENTAPP:
+            sys.exit(clientapp_main(rest))
+        sys.exit(f"{AS_OPTION} takes {SUPEREXEC} or {CLIENTAPP}, not {process!r}")
     patch_supernode_loop()
+    patch_launch(importlib.import_module(LOOP_MODULE), SUPEREXEC, "source")
     from flwr.supernode.cli import flower_supernode
 
     sys.argv[0] = "flower-supernode"

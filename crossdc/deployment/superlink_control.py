@@ -1,4 +1,4 @@
-"""A thin adapter over the Flower SuperLink's Control API for SuperNode registration (flwr 1.42).
+"""A thin adapter over the Flower SuperLink's Control API for SuperNode registration and run status (flwr 1.42).
 
 With ``flower-superlink --enable-supernode-auth`` (which Flower allows only over TLS) a SuperNode may connect
 only with a private key whose public key was registered through the Control API (what ``flwr supernode
@@ -85,6 +85,19 @@ class SuperLinkControl:
 
         answer = self._call("listing the nodes", self._client.ListNodes, ListNodesRequest())
         return {int(info.node_id): str(info.status) for info in answer.nodes_info}
+
+    def run_status(self, run_id: int) -> tuple[str, str]:
+        """(status, details) of a Flower run as the SuperLink reports it, in ``flwr ls``'s words: e.g. ``running``,
+        ``finished:completed``, ``finished:failed`` with what failed."""
+        from flwr.proto.control_pb2 import ListRunsRequest
+
+        answer = self._call("reading the run's status", self._client.ListRuns, ListRunsRequest(run_id=run_id))
+        run = answer.run_dict.get(run_id)
+        if run is None:
+            raise ControlError(f"SuperLink {self.address}: no run {run_id}")
+        status = run.status
+        text = f"{status.status}:{status.sub_status}" if status.sub_status else status.status
+        return str(text), str(status.details)
 
     def close(self) -> None:
         self._client.close()
