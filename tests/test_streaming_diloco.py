@@ -198,6 +198,9 @@ def test_parameters_are_checked_in_one_line() -> None:
         StreamingDiLoCo(tau=5, params={"fragments": 2}, run=run_info())
     with pytest.raises(StrategyError, match="adamw"):
         StreamingDiLoCo(tau=4, run=run_info("sgd"))
+    with pytest.raises(StrategyError, match=r"overlap = H/P = 2 with alpha = 0 discards every inner step"):
+        StreamingDiLoCo(tau=4, params={"overlap": 2, "alpha": 0.0}, run=run_info())
+    StreamingDiLoCo(tau=4, params={"overlap": 2, "alpha": 0.5}, run=run_info())  # α > 0 keeps part of the steps
     with pytest.raises(StrategyError, match="only 6 tensor groups"):
         StreamingDiLoCo(tau=14, params={"fragments": 7}, run=run_info()).plan(
             {n: np.zeros(b // 4, np.float32) for n, b in TRANSFORMER_BYTES.items()})

@@ -70,9 +70,15 @@ class StreamingDiLoCo(DiLoCo):
             raise StrategyError(f"strategy '{self.name}' needs a constant tau (the inner steps of every round), got a "
                                 f"schedule from {schedule.start} to {schedule.end}")
         try:
-            self.fragment_schedule()
+            fragment_schedule = self.fragment_schedule()
         except FragmentError as err:
             raise StrategyError(f"strategy '{self.name}': {err}") from None
+        if fragment_schedule.overlap == fragment_schedule.spacing and float(self.params["alpha"]) == 0.0:
+            # the merge of a fragment's previous exchange and its next send fall on one step: α = 0 replaces the
+            # local fragment by the global one just before the send, so every update sent would be zero
+            raise StrategyError(f"strategy '{self.name}': overlap = H/P = {fragment_schedule.spacing} with alpha = 0 "
+                                "discards every inner step (the merge before each send replaces the local fragment); "
+                                "use alpha > 0 or a shorter overlap")
 
     def fragment_schedule(self) -> FragmentSchedule:
         """When each fragment is sent and merged (FragmentError if τ, P and τ_o do not fit together)."""
