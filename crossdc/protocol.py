@@ -55,6 +55,8 @@ DOWNLINK_KEY = "downlink"
 #: record of a streaming message: the server's results of earlier exchanges (each the fragment's new global values,
 #: or with eager updates its mean update), a tensor named ``<exchange>/<tensor>``
 FRAGMENT_UPDATE_KEY = "fragment-update"
+#: the name a streaming exchange's compressed result carries its payload under, in place of its tensors
+RESULT_PAYLOAD = "#payload"
 RESERVED_RECORDS = frozenset({ARRAYS_KEY, LAYOUT_KEY, CONFIG_KEY, METRICS_KEY, COMPRESSED_KEY, DOWNLINK_KEY,
                               FRAGMENT_UPDATE_KEY})
 #: Flower Array serialisation type of a codec payload: the bytes as they are
@@ -136,6 +138,11 @@ STREAM_OP = "stream"
 TRAIN_OP = "train"
 PING_OP = "ping"
 STOP_OP = "stop"
+#: rank 0's commands to the other ranks of a datacenter's worker group in a streaming run (crossdc.clients.worker):
+#: run n more inner steps, take these weights, take this optimizer state and data position
+STEPS_OP = "steps"
+SET_WEIGHTS_OP = "set-weights"
+LOAD_STATE_OP = "load-state"
 PREPARE_OP = "prepare"
 
 
@@ -263,24 +270,44 @@ def stream_config(*, exchange: int, server_round: int, tau: int, run_id: str, ru
     return cfg
 
 
+def result_payload_key(exchange: int) -> str:
+    """The record carrying exchange `exchange`'s compressed result (raw bytes, as :func:`encode_compressed`)."""
+    return f"{FRAGMENT_UPDATE_KEY}/{exchange}"
+
+
 def encode_results(results: Mapping[int, Mapping[str, np.ndarray]]) -> dict[str, ArrayRecord | ConfigRecord]:
-    """The records carrying the server's results of some exchanges (record FRAGMENT_UPDATE_KEY); none for none."""
-    if not results:
-        return {}
-    return encode_tensors({f"{k}/{name}": value for k, arrays in results.items() for name, value in arrays.items()},
-                          FRAGMENT_UPDATE_KEY)
+    """The records carrying the server's results of some exchanges: the dense ones as one tensor group
+    (FRAGMENT_UPDATE_KEY, tensors ``<exchange>/<name>``), each compressed one (``{RESULT_PAYLOAD: bytes}``) as raw
+    bytes in a record of its own (:func:`result_payload_key`); none for none."""
+    records: dict[str, ArrayRecord | ConfigRecord] = {}
+    dense = {f"{k}/{name}": value for k, arrays in results.items() if RESULT_PAYLOAD not in arrays
+             for name, value in arrays.items()}
+    if dense:
+        records.update(encode_tensors(dense, FRAGMENT_UPDATE_KEY))
+    for k, arrays in results.items():
+        if RESULT_PAYLOAD in arrays:
+            records.update(encode_compressed(arrays[RESULT_PAYLOAD], result_payload_key(k)))
+    return records
 
 
 def decode_results(content: RecordDict, exchanges: Sequence[int]) -> dict[int, dict[str, np.ndarray]]:
-    """The results :func:`encode_results` packed, for `exchanges` (the message's RESULTS_OF); PayloadError if the
-    record is missing or does not hold exactly those exchanges."""
+    """The results :func:`encode_results` packed, for `exchanges` (the message's RESULTS_OF); PayloadError if a
+    record is missing or they do not hold exactly those exchanges."""
     if not exchanges:
         return {}
     results: dict[int, dict[str, np.ndarray]] = {k: {} for k in exchanges}
-    for key, value in decode_tensors(content, FRAGMENT_UPDATE_KEY).items():
+    for k in exchanges:
+        if result_payload_key(k) in content:
+            results[k][RESULT_PAYLOAD] = compressed_payload(content, result_payload_key(k))
+    dense = decode_tensors(content, FRAGMENT_UPDATE_KEY) if has_tensors(content, FRAGMENT_UPDATE_KEY) else {}
+    if not dense and any(not arrays for arrays in results.values()):
+        raise PayloadError(f"no tensor group '{FRAGMENT_UPDATE_KEY}' in the message")
+    for key, value in dense.items():
         exchange, _, name = key.partition("/")
         if not exchange.isdigit() or int(exchange) not in results or not name:
             raise PayloadError(f"result tensor {key!r} is of none of the exchanges {list(exchanges)}")
+        if RESULT_PAYLOAD in results[int(exchange)]:
+            raise PayloadError(f"exchange {exchange} has both a compressed result and result tensors")
         results[int(exchange)][name] = value
     empty = [k for k, arrays in results.items() if not arrays]
     if empty:

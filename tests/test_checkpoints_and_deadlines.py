@@ -9,7 +9,7 @@ import pytest
 
 from crossdc.experiment.config import DeadlinePolicy
 from crossdc.federation.checkpoints import CheckpointError, CheckpointStore
-from crossdc.federation.deadline import datacenter_deadline, round_deadline
+from crossdc.federation.deadline import Deadlines, datacenter_deadline, round_deadline
 
 
 def _state(server_round: int) -> dict:
@@ -71,3 +71,20 @@ def test_round_deadline_waits_for_the_slowest_datacenter() -> None:
     assert deadline == pytest.approx(1.5 * 15.0)  # the slack beats median + 3 MAD here
     assert round_deadline(history, ["fast"], policy) == 5
     assert round_deadline(history, ["fast", "newcomer"], policy) == 600
+
+
+def test_deadlines_learn_replies_and_missed_deadlines_of_rounds_or_exchanges() -> None:
+    fixed = Deadlines(None, 300.0, ["a", "b"])
+    assert fixed.next(["a", "b"]) == (300.0, "fixed run.round_timeout_s")
+    assert fixed.ttl_s == 300.0 and fixed.can_wait_on(300.0) == 0.0
+    policy = DeadlinePolicy(floor_s=1.0, ceiling_s=100.0, k_mad=4.0, min_history=2, slack=0.5)
+    adaptive = Deadlines(policy, 100.0, ["a", "b"], times={"a": [2.0], "gone": [9.0]})
+    assert adaptive.times == {"a": [2.0], "b": []}  # a datacenter no longer in the run is forgotten
+    assert adaptive.next(["a", "b"]) == (100.0, "adaptive run.deadline")  # too little history: the ceiling
+    adaptive.record("a", "ok", 2.0, 100.0)
+    adaptive.record("b", "ok", 4.0, 100.0)
+    adaptive.record("b", "timeout", None, 5.0)  # a missed deadline: a lower bound of b's pace
+    adaptive.record("a", "rejected", 1.0, 100.0)  # a rejected update says nothing of the pace
+    assert adaptive.times == {"a": [2.0, 2.0], "b": [4.0, 5.0]}
+    assert adaptive.next(["a", "b"]) == (round_deadline(adaptive.times, ["a", "b"], policy), "adaptive run.deadline")
+    assert adaptive.ttl_s == 100.0 and adaptive.can_wait_on(30.0) == 70.0 and adaptive.can_wait_on(120.0) == 0.0

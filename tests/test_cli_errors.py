@@ -153,10 +153,10 @@ CASES: dict[str, tuple[str | None, list[str], tuple[str, ...]]] = {
     "invalid-toml": (BASE.replace("[run]", "[run"), [], ("not valid TOML",)),
     "not-implemented": (BASE.replace('name = "fedavg"', 'name = "fedasync"') + '\n[checkpoint]\nevery_rounds = 5\n', [],
                         ("'checkpoint.every_rounds'", "not implemented yet", "fedasync")),
-    "streaming-deadline": (BASE.replace('name = "fedavg"\ntau = 1', 'name = "streaming-diloco"\ntau = 4')
-                           .replace('optimizer = "sgd"', 'optimizer = "adamw"')
-                           .replace("[run]", "[run]\ndeadline = { k_mad = 3.0, floor_s = 5.0, ceiling_s = 60.0 }"), [],
-                           ("'run.deadline'", "not implemented yet", "streaming-diloco")),
+    "streaming-alpha": (BASE.replace('name = "fedavg"\ntau = 1',
+                                     'name = "streaming-diloco"\ntau = 4\nparams = { overlap = 2, alpha = 0.0 }')
+                        .replace('optimizer = "sgd"', 'optimizer = "adamw"'), [],
+                        ("strategy 'streaming-diloco'", "overlap = H/P = 2 with alpha = 0 discards every inner step")),
     "streaming-overlap": (BASE.replace('name = "fedavg"\ntau = 1', 'name = "streaming-diloco"\ntau = 4\nparams = { overlap = 3 }')
                           .replace('optimizer = "sgd"', 'optimizer = "adamw"'), [],
                           ("strategy 'streaming-diloco'", "overlap 3 must be within [0, H/P = 2]")),

@@ -87,3 +87,44 @@ def test_a_sparse_downlink_catches_up_without_overshooting() -> None:
         gaps.append(float(np.abs(target["w"] - sender.reference["w"]).max()))
     assert gaps == [6.0, 4.0, 2.0, 0.0]
     assert sender.pipeline.residuals == {}
+
+
+@pytest.mark.parametrize("eager", [False, True])
+def test_a_streaming_runs_results_travel_compressed_and_both_sides_agree(eager: bool) -> None:
+    """FragmentDownlink: with eager off the server's reference and a datacenter's merged values stay bit-identical
+    over exchanges and close in on the global values (the reference is the error feedback); with eager on the mean
+    updates go with error feedback, so what one exchange leaves out goes with the fragment's next."""
+    from crossdc.compression.downlink import FragmentDownlink, decode_result
+    from crossdc.protocol import RESULT_PAYLOAD
+
+    rng = np.random.default_rng(2)
+    initial = {"a.weight": rng.normal(size=(8, 6)).astype(np.float32), "b.bias": rng.normal(size=6).astype(np.float32)}
+    sender = FragmentDownlink(["topk:0.25", "int8"], initial, eager=eager, seed=0)
+    held = {n: v.copy() for n, v in initial.items()}  # the datacenter's values as last merged (θ_ref)
+    sent_total = {n: np.zeros_like(v) for n, v in initial.items()}
+    target = {n: v + 1.0 for n, v in initial.items()}  # the global values (eager off) the downlink closes in on
+    for exchange in range(1, 9):
+        result = {n: (target[n] if not eager else np.full_like(v, 0.1)) for n, v in initial.items()}
+        wire = sender.encode(exchange, result)
+        assert list(wire) == [RESULT_PAYLOAD] and wire[RESULT_PAYLOAD].dtype == np.uint8
+        merged = decode_result(wire, held, eager)
+        if eager:
+            for n in merged:
+                sent_total[n] += merged[n]
+        else:
+            held = merged
+            for n in held:
+                np.testing.assert_array_equal(held[n], sender.reference[n])  # the same reference on both sides
+    if eager:  # 8 means of 0.1 each went down: what did not arrive is exactly the residual the next one carries
+        for n, total in sent_total.items():
+            np.testing.assert_allclose(total + sender.pipeline.residuals[n].numpy(), 0.8, atol=1e-5)
+            assert np.abs(total - 0.8).mean() < 0.2, n
+    else:
+        for n in held:
+            assert np.abs(held[n] - target[n]).max() < 0.05, n
+    dense = {"a.weight": np.ones((8, 6), np.float32)}
+    np.testing.assert_array_equal(decode_result(dense, {"a.weight": initial["a.weight"]}, eager)["a.weight"], 1.0)
+    restored = FragmentDownlink(["topk:0.25", "int8"], initial, eager=eager, seed=0)
+    restored.load_state_dict(sender.state_dict())
+    nxt = {n: (target[n] if not eager else np.full_like(v, 0.1)) for n, v in initial.items()}
+    np.testing.assert_array_equal(restored.encode(9, nxt)[RESULT_PAYLOAD], sender.encode(9, nxt)[RESULT_PAYLOAD])

@@ -78,3 +78,23 @@ def test_a_streaming_message_carries_the_results_of_several_exchanges() -> None:
         StreamRequest.from_message(_stream_message({}, [3]))
     with pytest.raises(ProtocolError, match="malformed stream request"):
         StreamRequest.from_dict({"run_id": "r", "exchange": 1, "tau": 8, "results": [1, 2]})
+
+
+def test_compressed_results_travel_as_raw_bytes_beside_dense_ones() -> None:
+    from crossdc.protocol import RESULT_PAYLOAD, payload_bytes, result_payload_key
+
+    payload = np.arange(37, dtype=np.uint8)
+    results = {3: {RESULT_PAYLOAD: payload}, 4: {"w": np.ones(2, np.float32)}}
+    message = _stream_message(results, [3, 4])
+    assert result_payload_key(3) in message and "fragment-update" in message
+    request = StreamRequest.from_message(message)
+    np.testing.assert_array_equal(request.results[3][RESULT_PAYLOAD], payload)
+    np.testing.assert_array_equal(request.results[4]["w"], results[4]["w"])
+    only_compressed = _stream_message({3: {RESULT_PAYLOAD: payload}}, [3])
+    assert "fragment-update" not in only_compressed  # no empty dense group travels
+    assert list(StreamRequest.from_message(only_compressed).results[3]) == [RESULT_PAYLOAD]
+    assert payload_bytes(only_compressed) < payload_bytes(_stream_message({3: {"w": np.ones(37, np.float32)}}, [3]))
+    both = _stream_message({3: {"w": np.ones(2, np.float32)}}, [3])
+    both.array_records[result_payload_key(3)] = only_compressed.array_records[result_payload_key(3)]
+    with pytest.raises(ProtocolError, match="both a compressed result and result tensors"):
+        StreamRequest.from_message(both)

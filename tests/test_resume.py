@@ -149,7 +149,9 @@ def test_killed_coordinator_resumes_to_the_same_model(tmp_path: Path) -> None:
 
 
 def _streaming_config(speed: float, checkpoints: Path | None = None) -> str:
-    extra = '\n[compression]\ncodecs = ["int4:ef=true"]\n'
+    # int4 outer gradients up with error feedback, int8 mean updates down with error feedback: both codecs' states
+    # are in flight at the kill
+    extra = '\n[compression]\ncodecs = ["int4:ef=true"]\ndownlink_codecs = ["int8:ef=true"]\n'
     if checkpoints is not None:
         extra += f'\n[checkpoint]\nevery_rounds = 2\nkeep = 3\ndir = "{checkpoints}"\n'
     return streaming_toml(name="streaming-resume", rounds=4, tau=40, speed=speed, extra=extra,

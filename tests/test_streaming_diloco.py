@@ -211,11 +211,12 @@ def make_workload() -> Workload:
     return load_workload(spec, DCS, 0)
 
 
-def federation(strategy: DiLoCo, root: Path, codecs: tuple[str, ...] = ()) -> InProcessFederation:
+def federation(strategy: DiLoCo, root: Path, codecs: tuple[str, ...] = (), downlink: tuple[str, ...] = ()) -> InProcessFederation:
     workload = make_workload()
     torch.manual_seed(0)
     weights = model_weights(workload.make_model())
-    return InProcessFederation.from_parts(workload, strategy, DCS, 16, "adamw", LR, SEEDS, root, weights, codecs=codecs)
+    return InProcessFederation.from_parts(workload, strategy, DCS, 16, "adamw", LR, SEEDS, root, weights, codecs=codecs,
+                                          downlink_codecs=downlink)
 
 
 def test_one_fragment_no_overlap_no_mixing_is_diloco_exactly(tmp_path: Path) -> None:
@@ -254,22 +255,26 @@ def test_fragments_overlap_and_eager_train_and_send_less_per_sync(tmp_path: Path
         assert fed.strategy.outer_steps == 2 * rounds
 
 
-def test_four_bit_outer_gradients_cost_an_eighth_and_train_alike(tmp_path: Path) -> None:
+def test_four_bit_outer_gradients_and_an_int8_downlink_cost_less_and_train_alike(tmp_path: Path) -> None:
     tau, rounds = 8, 6
     params = {"fragments": 2, "overlap": 1, "alpha": 0.5}
     runs = {}
-    for codecs in ((), ("int4:ef=true",)):
-        fed = federation(StreamingDiLoCo(tau=tau, params=params, run=run_info()), tmp_path / "-".join(codecs or ("fp32",)),
-                         codecs=codecs)
+    # fp32 both ways; int4 outer gradients up; and int8 results down too (deltas against the merged fragments)
+    for label, codecs, downlink in (("fp32", (), ()), ("int4", ("int4:ef=true",), ()),
+                                    ("int4-int8", ("int4:ef=true",), ("int8",))):
+        fed = federation(StreamingDiLoCo(tau=tau, params=params, run=run_info()), tmp_path / label, codecs=codecs,
+                         downlink=downlink)
         sent = 0
         for _ in range(rounds):
             result = fed.run_round()
             assert not result.rejected, result.rejected
             sent += sum(result.bytes_up.values())
-        runs[codecs] = (fed.evaluate()[0], sent)
-    (fp32_loss, fp32_bytes), (int4_loss, int4_bytes) = runs[()], runs[("int4:ef=true",)]
+        runs[label] = (fed.evaluate()[0], sent)
+    (fp32_loss, fp32_bytes), (int4_loss, int4_bytes) = runs["fp32"], runs["int4"]
     assert int4_bytes < 0.2 * fp32_bytes  # 0.5 byte a value plus a scale per 64, against 4 bytes
     assert abs(int4_loss - fp32_loss) < 0.05 * fp32_loss, (int4_loss, fp32_loss)
+    assert abs(runs["int4-int8"][0] - fp32_loss) < 0.05 * fp32_loss, (runs["int4-int8"][0], fp32_loss)
+    assert runs["int4-int8"][0] != int4_loss  # the downlink's rounding reached the merges
 
 
 def test_a_replica_saved_after_a_round_and_restored_elsewhere_goes_on_exactly(tmp_path: Path) -> None:

@@ -23,13 +23,15 @@ pytestmark = [pytest.mark.deployment, pytest.mark.usefixtures("namespaces")]
 #: two datacenters at an emulated hundredth of their speed behind transoceanic links: a round of 100 inner steps
 #: computes about 10 s
 OVERLAPPED = '{ fragments = 2, overlap = 1, alpha = 0.5, eager = true }'
+#: the run without overlap also sends its results down compressed (int8 deltas against the merged fragments)
 NOT_OVERLAPPED = '{ fragments = 2, overlap = 0, alpha = 0.0, eager = false }'
 PARAMS = {"overlapped": OVERLAPPED, "not-overlapped": NOT_OVERLAPPED}
+EXTRA = {"overlapped": "", "not-overlapped": '\n[compression]\ndownlink_codecs = ["int8"]\n'}
 
 
-def config_with(params: str, speed: float = 0.01) -> ExperimentConfig:
-    return parse_config(tomllib.loads(streaming_toml(name="streaming-e2e", rounds=2, tau=100, params=params, speed=speed,
-                                                     link="transoceanic")))
+def config_with(label: str, speed: float = 0.01) -> ExperimentConfig:
+    return parse_config(tomllib.loads(streaming_toml(name="streaming-e2e", rounds=2, tau=100, params=PARAMS[label],
+                                                     speed=speed, link="transoceanic", extra=EXTRA[label])))
 
 
 @pytest.fixture(scope="module")
@@ -38,7 +40,7 @@ def streaming_runs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, dict]:
     for label, params in PARAMS.items():
         tmp = tmp_path_factory.mktemp(label)
         db_url = f"sqlite:///{tmp / 'runs.db'}"
-        config = config_with(params)
+        config = config_with(label)
         result = run_local(config, LocalRunOptions(db_url=db_url, engine="deployment", superlink_port=free_port(),
                                                    runs_root=tmp / "runs"))
         engine = make_engine(db_url)
@@ -82,6 +84,9 @@ def test_trainers_keep_computing_while_fragments_travel(streaming_runs: dict[str
             waited = sum(span["end_s"] - span["start_s"] for span in mine if span["kind"] == "wait")
             # the waits of 1 ms and more, on the wall clock; idle_s counts every wait, on the monotonic clock
             assert waited <= sum(r["idle_s"] for r in run["dc_rounds"] if r["datacenter"] == dc) + 1e-3
+    # int8 results down: about a quarter of the dense results' bytes (exchange 1 carries the initial weights)
+    dense, compressed = (sum(e["bytes_down"] for e in run["exchanges"] if e["exchange"] > 1) for run in (overlapped, waiting))
+    assert compressed < 0.4 * dense, (compressed, dense)
     without, with_overlap = exposed_ratio(waiting), exposed_ratio(overlapped)
     # each exchange of the run without overlap waits a whole cycle (reply, aggregation, next message, ClientApp
     # start); the eager run's merges need what arrived a round before: a wide margin, not a measured goal
@@ -93,7 +98,7 @@ def test_a_deployed_streaming_run_ends_with_the_in_process_weights(streaming_run
                                                                     tmp_path: Path) -> None:
     for label, run in streaming_runs.items():
         deployed = np.load(RunDir(run["result"].run_dir).final_weights)
-        config = config_with(run["params"], speed=1.0)  # the emulated pace changes the time a step takes, not its result
+        config = config_with(label, speed=1.0)  # the emulated pace changes the time a step takes, not its result
         fed = InProcessFederation.from_config(config, tmp_path / label)
         for _ in range(config.run.rounds):
             fed.run_round()

@@ -168,6 +168,36 @@ def test_two_ranks_equal_one_process_with_the_strategys_local_hooks(strategy: st
 
 
 @pytest.mark.timeout(300)
+def test_a_streaming_replica_on_two_ranks_equals_one_process(tmp_path: Path) -> None:
+    """Streaming DiLoCo in a datacenter of 2 DDP ranks: the replica's inner steps, merges and a resumed replica's
+    state reach both ranks, so every fragment update sent equals one process's on the same global batch."""
+    params = {"fragments": 2, "overlap": 1, "alpha": 0.5}
+    weights = initial_weights(experiment("adamw", 1, "streaming-diloco", params))
+    answers: dict[int, list[dict]] = {}
+    for workers in (1, 2):
+        service = TrainerService(tmp_path / f"w{workers}", experiment("adamw", workers, "streaming-diloco", params))
+        try:
+            assert len(service.call({"op": "ping"})["worker_pids"]) == workers
+            answers[workers], results = [], {}
+            for exchange in (1, 2, 3, 4):  # two rounds of τ = 4 steps, a fragment sent every 2 steps
+                answer = service.call({"op": "stream", "run_id": "group-test", "exchange": exchange, "tau": 4,
+                                       "weights": weights if exchange == 1 else None, "results": results})
+                answers[workers].append(answer)
+                # the server's result of this exchange (new global values of its fragment), carried by the next message
+                results = {exchange: {n: (weights[n] + 0.25 * v).astype(np.float32) for n, v in answer["delta"].items()}}
+        finally:
+            service.close()
+    for one, two in zip(answers[1], answers[2], strict=True):
+        assert set(one["delta"]) == set(two["delta"]) and two["metrics"]["workers"] == 2
+        for name in one["delta"]:
+            np.testing.assert_allclose(two["delta"][name], one["delta"][name], atol=2e-6, rtol=1e-4)
+        assert two["metrics"]["num-examples"] == one["metrics"]["num-examples"] == 2 * 32
+    assert [a["metrics"]["sent-step"] for a in answers[2]] == [2, 4, 6, 8]
+    # the merges took the server's values: exchange 3 sends fragment 0 again, against the merged reference
+    assert max(float(np.abs(d).max()) for d in answers[1][2]["delta"].values()) > 1e-4
+
+
+@pytest.mark.timeout(300)
 def test_a_dead_rank_fails_the_round_and_the_next_round_works(tmp_path: Path) -> None:
     doc = experiment("adamw", 2)
     weights = initial_weights(doc)

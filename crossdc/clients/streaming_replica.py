@@ -12,17 +12,29 @@ from __future__ import annotations
 
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Protocol
 
 import numpy as np
 
 from crossdc import protocol as proto
-from crossdc.clients.local_training import LocalTrainer, StepsResult
+from crossdc.clients.local_training import StepsResult
+from crossdc.compression.downlink import decode_result
 from crossdc.compression.uplink import encode_update
 from crossdc.strategies.fragments import MERGE, SEND, Event, eager_outer_gradient, fragment_of, mix
 from crossdc.strategies.streaming_diloco import StreamingDiLoCo, StreamingPlan
 
 Arrays = Mapping[str, np.ndarray]
+
+
+class ReplicaTrainer(Protocol):
+    """What a replica trains with: a :class:`~crossdc.clients.local_training.LocalTrainer`, or a worker group's
+    (:class:`crossdc.clients.worker.GroupTrainer`)."""
+
+    def train_steps(self, steps: int, **hooks: Any) -> StepsResult: ...
+    def get_weights(self) -> dict[str, np.ndarray]: ...
+    def set_weights(self, arrays: Mapping[str, np.ndarray]) -> None: ...
+    def state_dict(self) -> dict[str, Any]: ...
+    def load_state_dict(self, state: Mapping[str, Any]) -> None: ...
 
 
 @dataclass(frozen=True)
@@ -43,7 +55,7 @@ class StreamingReplica:
     `strategy` is the datacenter's own instance of the run's strategy: with ``eager`` on, its outer optimizer
     state is this datacenter's copy. `datacenters` N gives the eager weight w = 1/N."""
 
-    def __init__(self, strategy: StreamingDiLoCo, trainer: LocalTrainer, plan: StreamingPlan, weights: Arrays,
+    def __init__(self, strategy: StreamingDiLoCo, trainer: ReplicaTrainer, plan: StreamingPlan, weights: Arrays,
                  datacenters: int) -> None:
         self.strategy, self.trainer, self.plan = strategy, trainer, plan
         self.eager = bool(strategy.params["eager"])
@@ -123,13 +135,16 @@ class StreamingReplica:
 
     def merge(self, exchange: int, update: Arrays | None) -> None:
         """Merge exchange k's outer update at its merge step: `update` is the fragment's new global values (eager
-        off), or the mean update of the fragment's previous exchange (eager on; None before its first)."""
+        off), or the mean update of the fragment's previous exchange (eager on; None before its first), dense or as
+        the downlink codecs sent it (crossdc.compression.downlink.FragmentDownlink)."""
         schedule = self.plan.schedule
         if self.step != schedule.merge_step(exchange):
             raise ValueError(f"exchange {exchange} is merged after step {schedule.merge_step(exchange)}, the replica is "
                              f"at step {self.step}")
         _, fragment = schedule.locate(exchange)
         names = self.plan.fragments[fragment]
+        if update is not None:  # compressed on its way down: decoded against the fragment's values as last merged
+            update = decode_result(update, fragment_of(self.reference, names), self.eager)
         own = self.sent.pop(exchange)
         if self.eager:
             if update is None:

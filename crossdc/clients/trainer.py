@@ -38,10 +38,11 @@ import torch.distributed as dist
 from crossdc import protocol as proto
 from crossdc.clients.channel import serve_requests
 from crossdc.clients.local_round import run_local_round
+from crossdc.clients.local_training import LocalTrainer
 from crossdc.clients.state_store import StateStoreError
 from crossdc.clients.streaming_replica import SentUpdate, StreamingReplica, sent_answer
 from crossdc.clients.streaming_worker import StreamingFailed, StreamingWorker
-from crossdc.clients.worker import GROUP_TIMEOUT, backend, build_rank, use_device
+from crossdc.clients.worker import GROUP_TIMEOUT, GroupTrainer, backend, build_rank, use_device
 from crossdc.compression.downlink import DownlinkOutOfSync, receive
 from crossdc.compression.wire import CodecError
 from crossdc.experiment.builders import datacenter_seed
@@ -129,6 +130,12 @@ class DatacenterTrainer:
         self.workers = []
 
     def close(self) -> None:
+        if self.streaming is not None:  # its thread may be handing the group a command: it stops first
+            try:
+                self.streaming.cancel(self.config.run.round_timeout_s)
+            except StreamingFailed as err:
+                log.warning("%s: %s", self.datacenter, err)
+            self.streaming = None
         self._stop_group(graceful=True)
 
     def _rewind(self, to_round: int) -> None:
@@ -172,9 +179,6 @@ class DatacenterTrainer:
         request, refusal = self._read(StreamRequest, message)
         if refusal is not None:
             return refusal
-        if self.world > 1:
-            return {"ok": False, "error": f"{self.datacenter}: a streaming run with workers > 1 in a datacenter is not "
-                                          "implemented yet"}
         strategy = self.strategy
         if not isinstance(strategy, StreamingDiLoCo):
             return {"ok": False, "error": f"{self.datacenter}: strategy '{strategy.name}' does not stream"}
@@ -187,6 +191,11 @@ class DatacenterTrainer:
                 if self.streaming is not None:
                     self.streaming.cancel(timeout_s)
                     self.streaming = None
+                if any(w.poll() is not None for w in self.workers):  # a rank died in the old attempt: a fresh group
+                    self._stop_group(graceful=False)
+                    self._start_group()
+                    strategy = self.strategy
+                    assert isinstance(strategy, StreamingDiLoCo)
                 self._set_attempt(request.attempt)
             if self.streaming is None:
                 self.streaming = self._start_streaming(strategy, request)
@@ -216,7 +225,7 @@ class DatacenterTrainer:
             if stored is None or stored[1] != resumed_at:
                 raise StateStoreError(f"no replica state of exchange {resumed_at} (round {request.resume_round}) kept "
                                       "to resume from")
-            replica = StreamingReplica(strategy, self.trainer, plan, stored[0]["weights"], datacenters)
+            replica = StreamingReplica(strategy, self._replica_trainer(), plan, stored[0]["weights"], datacenters)
             replica.load_state_dict(stored[0])
             log.info("%s: streaming replica resumed after exchange %d (round %d)", self.datacenter, resumed_at,
                      request.resume_round)
@@ -226,7 +235,7 @@ class DatacenterTrainer:
                                       "message of a streaming run carries the initial weights (a trainer restarted "
                                       "mid-run needs the run resumed)")
             plan = strategy.plan(request.weights)
-            replica = StreamingReplica(strategy, self.trainer, plan, request.weights, datacenters)
+            replica = StreamingReplica(strategy, self._replica_trainer(), plan, request.weights, datacenters)
         schedule = plan.schedule
 
         def save_state(exchange: int) -> None:  # a round's last send: the replica as a checkpoint of it needs it
@@ -234,6 +243,13 @@ class DatacenterTrainer:
                 self.store.save(STREAMING_STATE_KEY, replica.state_dict(), exchange)
 
         return StreamingWorker(replica, self.config.run.rounds * schedule.fragments, self._sent_answer, save_state)
+
+    def _replica_trainer(self) -> LocalTrainer | GroupTrainer:
+        """What a streaming replica trains with: this rank's trainer, or with W > 1 ranks the group's (the others
+        follow each step and each change of weights or state)."""
+        if self.world == 1:
+            return self.trainer
+        return GroupTrainer(self.trainer, lambda command: dist.broadcast_object_list([command], src=0))
 
     def _sent_answer(self, sent: SentUpdate) -> dict[str, Any]:
         return sent_answer(sent, self.codecs, self.codec_seed, self.store)

@@ -10,16 +10,19 @@ from __future__ import annotations
 import argparse
 import logging
 import os
+from collections.abc import Callable, Mapping
 from datetime import timedelta
 from pathlib import Path
+from typing import Any
 
+import numpy as np
 import torch
 import torch.distributed as dist
 
 from crossdc import protocol as proto
 from crossdc.clients.devices import local_placement
 from crossdc.clients.local_round import TRAINER_STATE_KEY, train_with_plan
-from crossdc.clients.local_training import LocalTrainer
+from crossdc.clients.local_training import LocalTrainer, StepsResult
 from crossdc.clients.state_store import DatacenterStateStore
 from crossdc.experiment.builders import build_strategy, build_workload, datacenter_seed
 from crossdc.experiment.config import parse_config
@@ -29,7 +32,7 @@ from crossdc.strategies.base import Strategy
 log = logging.getLogger("crossdc.worker")
 
 GROUP_TIMEOUT = timedelta(seconds=120)
-__all__ = ["GROUP_TIMEOUT", "TRAINER_STATE_KEY", "backend", "build_rank", "follow", "use_device"]
+__all__ = ["GROUP_TIMEOUT", "TRAINER_STATE_KEY", "GroupTrainer", "backend", "build_rank", "follow", "use_device"]
 
 
 def build_rank(run_dir: RunDir, datacenter: str, rank: int, world: int) -> tuple[LocalTrainer, DatacenterStateStore, int, Strategy]:
@@ -66,15 +69,56 @@ def use_device(rank: int, world: int) -> None:
 
 
 def follow(trainer: LocalTrainer, strategy: Strategy) -> None:
-    """Run rank 0's commands until "stop" (each "train" with the strategy's hooks, built from rank 0's plan)."""
+    """Run rank 0's commands until "stop": each "train" (a round) with the strategy's hooks, built from rank 0's
+    plan; in a streaming run, what :class:`GroupTrainer` hands on ("steps", "set-weights", "load-state")."""
     while True:
         box: list[object] = [None]
         dist.broadcast_object_list(box, src=0)
         command = box[0]
         if not isinstance(command, dict) or command.get("op") == proto.STOP_OP:
             return
-        if command.get("op") == proto.TRAIN_OP:
+        op = command.get("op")
+        if op == proto.TRAIN_OP:
             train_with_plan(strategy, trainer, int(command["tau"]), command["weights"], command.get("plan") or {})
+        elif op == proto.STEPS_OP:
+            trainer.train_steps(int(command["steps"]))
+        elif op == proto.SET_WEIGHTS_OP:
+            trainer.set_weights(command["weights"])
+        elif op == proto.LOAD_STATE_OP:
+            trainer.load_state_dict(command["state"])
+
+
+class GroupTrainer:
+    """Rank 0's local trainer, whose every inner step and every change of its weights or state the group's other
+    ranks make too: a streaming replica drives a datacenter of W ranks through it as it drives one LocalTrainer.
+
+    Promises: :meth:`train_steps`, :meth:`set_weights` and :meth:`load_state_dict` hand the same command to the other
+    ranks (by `broadcast`, which they :func:`follow`) before rank 0 does it, so every rank runs the same steps
+    (DistributedDataParallel averages their gradients: one step on the whole global batch) from the same weights;
+    the weights and state read from rank 0 are every rank's."""
+
+    def __init__(self, trainer: LocalTrainer, broadcast: Callable[[dict[str, Any]], None]) -> None:
+        self.trainer, self.broadcast = trainer, broadcast
+
+    def train_steps(self, steps: int, **hooks: Any) -> StepsResult:
+        if hooks:
+            raise ValueError("a worker group's streaming replica runs plain inner steps (no strategy hooks)")
+        self.broadcast({"op": proto.STEPS_OP, "steps": steps})
+        return self.trainer.train_steps(steps)
+
+    def set_weights(self, arrays: Mapping[str, np.ndarray]) -> None:
+        self.broadcast({"op": proto.SET_WEIGHTS_OP, "weights": dict(arrays)})
+        self.trainer.set_weights(arrays)
+
+    def get_weights(self) -> dict[str, np.ndarray]:
+        return self.trainer.get_weights()
+
+    def state_dict(self) -> dict[str, Any]:
+        return self.trainer.state_dict()
+
+    def load_state_dict(self, state: Mapping[str, Any]) -> None:
+        self.broadcast({"op": proto.LOAD_STATE_OP, "state": dict(state)})
+        self.trainer.load_state_dict(state)
 
 
 def main(argv: list[str] | None = None) -> None:

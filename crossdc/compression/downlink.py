@@ -15,7 +15,8 @@ that produced it. Promises:
 - the server counts a datacenter in step only after an accepted reply to that round.
 
 The datacenters train from x̂ (within the downlink codec's error of the global model x); the server applies
-the aggregated update to x itself.
+the aggregated update to x itself. A streaming run's results take the same scheme per fragment
+(:class:`FragmentDownlink`, :func:`decode_result`).
 """
 
 from __future__ import annotations
@@ -26,7 +27,15 @@ from typing import Any
 import numpy as np
 
 from crossdc.compression.pipeline import CodecPipeline
-from crossdc.protocol import DOWNLINK, DOWNLINK_BASE, DOWNLINK_KEY, DOWNLINK_VERSION, encode_compressed, encode_tensors
+from crossdc.protocol import (
+    DOWNLINK,
+    DOWNLINK_BASE,
+    DOWNLINK_KEY,
+    DOWNLINK_VERSION,
+    RESULT_PAYLOAD,
+    encode_compressed,
+    encode_tensors,
+)
 
 #: the state-store key of a datacenter's reference model
 REFERENCE_KEY = "downlink-reference"
@@ -106,3 +115,57 @@ def receive(message: Mapping[str, Any], store: Any, server_round: int) -> dict[s
         raise DownlinkOutOfSync(f"unknown downlink kind {message['kind']!r}")
     store.save(REFERENCE_KEY, {"version": int(message["version"]), "weights": reference}, server_round)
     return reference
+
+
+class FragmentDownlink:
+    """A streaming run's results on their way down, through `[compression] downlink_codecs` (the server side).
+
+    Promises, per exchange of fragment p:
+
+    - eager off (a result is the fragment's new global values θ_g): the server and every datacenter hold the same
+      reference x̂ of each fragment — the values the datacenters last merged, which are their pseudo-gradients'
+      reference θ_ref (the run's initial weights at first). The server sends θ_g − x̂ through the pipeline (no
+      residual: x̂ is the error feedback, as for the synchronous downlink) and both sides add the decoded delta to
+      x̂. Every datacenter merges every result, in order, so one payload serves all of them;
+    - eager on (a result is the fragment's mean update ḡ): ḡ goes through the pipeline with error feedback where
+      the codecs ask for it (what one exchange does not send goes with the fragment's next);
+    - :func:`decode_result` gives the datacenter what the merge uses, exactly what the server's reference became.
+    """
+
+    def __init__(self, specs: Sequence[str], initial_weights: Arrays, eager: bool, seed: int = 0) -> None:
+        self.eager = eager
+        self.pipeline = CodecPipeline(specs, seed=seed, error_feedback=eager)
+        self.reference = {} if eager else {k: np.array(v, dtype=np.float32) for k, v in initial_weights.items()}
+
+    def encode(self, exchange: int, result: Arrays) -> dict[str, np.ndarray]:
+        """Exchange `exchange`'s result as it travels: ``{RESULT_PAYLOAD: uint8 payload}``."""
+        names = list(result)
+        if self.eager:
+            encoded = self.pipeline.encode({n: np.asarray(result[n], np.float32) for n in names}, exchange)
+        else:
+            delta = {n: np.asarray(result[n], np.float32) - self.reference[n] for n in names}
+            encoded = self.pipeline.encode(delta, exchange)
+            for name, sent in encoded.sent.items():
+                self.reference[name] = self.reference[name] + sent.numpy()
+        return {RESULT_PAYLOAD: encoded.payload}
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"reference": self.reference, "pipeline": self.pipeline.state_dict()}
+
+    def load_state_dict(self, state: Mapping[str, Any]) -> None:
+        self.reference = {k: np.array(v, dtype=np.float32) for k, v in state["reference"].items()}
+        self.pipeline.load_state_dict(state["pipeline"])
+
+
+def decode_result(result: Arrays, reference: Arrays, eager: bool) -> dict[str, np.ndarray]:
+    """The datacenter side of :class:`FragmentDownlink`: an exchange's result as the merge uses it — a dense result as
+    it came; a compressed one decoded, and with eager off added to `reference` (the fragment's values as last merged,
+    which name and shape it). CodecError if the payload does not decode to the fragment."""
+    from crossdc.compression.uplink import decode_arrays
+
+    if RESULT_PAYLOAD not in result:
+        return {n: np.asarray(v, np.float32) for n, v in result.items()}
+    decoded = decode_arrays(result[RESULT_PAYLOAD], reference)
+    if eager:
+        return decoded
+    return {n: np.asarray(reference[n], np.float32) + decoded[n] for n in reference}

@@ -43,14 +43,6 @@ def build_strategy(config: ExperimentConfig) -> Strategy:
     if strategy.loop == "async" and config.security.norm_rejection_factor:
         raise StrategyError(f"'security.norm_rejection_factor' (a check across a round's updates) is not implemented yet "
                             f"for the asynchronous strategy '{s.name}'")
-    if strategy.loop == "streaming":
-        unbuilt = [("compression.downlink_codecs", "a compressed downlink", bool(config.compression.downlink_codecs)),
-                   ("run.deadline", "the adaptive deadline", config.run.deadline is not None),
-                   ("datacenters.workers", "more than one worker in a datacenter",
-                    any(dc.workers > 1 for dc in config.datacenters))]
-        for key, what, used in unbuilt:
-            if used:
-                raise StrategyError(f"'{key}' ({what}) is not implemented yet for the streaming strategy '{s.name}'")
     return strategy
 
 

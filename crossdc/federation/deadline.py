@@ -33,3 +33,41 @@ def datacenter_deadline(round_times: Sequence[float], policy: DeadlinePolicy) ->
 def round_deadline(history: Mapping[str, Sequence[float]], datacenters: Sequence[str], policy: DeadlinePolicy) -> float:
     """The round's deadline in seconds: the longest any participating datacenter is waited for."""
     return max((datacenter_deadline(history.get(name, ()), policy) for name in datacenters), default=policy.ceiling_s)
+
+
+class Deadlines:
+    """The deadlines of one run's rounds (or, in a streaming run, its exchanges): the fixed ``run.round_timeout_s``,
+    or the adaptive ``run.deadline`` (:func:`round_deadline`) learnt from each datacenter's recent times.
+
+    Promises: :meth:`next` gives the wait of the next round and how it was set; :attr:`ttl_s` is how long a message
+    may stay undelivered (the fixed deadline, or the adaptive ceiling: a round may wait on up to it for enough
+    replies); :meth:`record` learns a datacenter's time — a reply's, or, for a datacenter that timed out, the
+    deadline it missed (a lower bound of its pace, so one that slowed down is learnt too); :attr:`times` is what a
+    checkpoint keeps."""
+
+    def __init__(self, policy: DeadlinePolicy | None, fixed_s: float, datacenters: Sequence[str],
+                 times: Mapping[str, Sequence[float]] | None = None) -> None:
+        self.policy, self.fixed_s = policy, fixed_s
+        self.times: dict[str, list[float]] = {name: [] for name in datacenters}
+        self.times.update({name: list(t) for name, t in (times or {}).items() if name in self.times})
+
+    @property
+    def ttl_s(self) -> float:
+        return self.policy.ceiling_s if self.policy is not None else self.fixed_s
+
+    def next(self, datacenters: Sequence[str]) -> tuple[float, str]:
+        """(seconds to wait for the next round's replies, what set it: ``fixed run.round_timeout_s`` or
+        ``adaptive run.deadline``)."""
+        if self.policy is None:
+            return self.fixed_s, "fixed run.round_timeout_s"
+        return round_deadline(self.times, datacenters, self.policy), "adaptive run.deadline"
+
+    def can_wait_on(self, waited_s: float) -> float:
+        """How much longer a round that waited `waited_s` without enough replies may wait (up to the ceiling)."""
+        return max(0.0, self.policy.ceiling_s - waited_s) if self.policy is not None else 0.0
+
+    def record(self, name: str, status: str, seconds: float | None, deadline_s: float) -> None:
+        if status == "ok" and seconds is not None:
+            self.times.setdefault(name, []).append(seconds)
+        elif status == "timeout":
+            self.times.setdefault(name, []).append(deadline_s)

@@ -17,6 +17,7 @@ from flwr.serverapp import Grid
 from crossdc import protocol
 from crossdc.db.runlog import RunLog
 from crossdc.experiment.config import ExperimentConfig
+from crossdc.federation.deadline import Deadlines
 from crossdc.protocol import CONFIG_KEY
 
 POLL_INTERVAL_S = 0.02
@@ -65,6 +66,18 @@ def collect_replies(grid: Grid, message_ids: list[str], timeout_s: float) -> dic
         if pending:
             time.sleep(interval)
     return replies
+
+
+def collect_within(grid: Grid, message_ids: list[str], deadlines: Deadlines, timeout_s: float,
+                   needed: int) -> tuple[dict[str, Reply], float]:
+    """:func:`collect_replies` up to the deadline `timeout_s`; with fewer than `needed` replies by then, on up to
+    the adaptive deadline's ceiling rather than fail the round. (replies, the seconds waited at most)."""
+    replies = collect_replies(grid, message_ids, timeout_s)
+    more = deadlines.can_wait_on(timeout_s)
+    if len(replies) < needed and more > 0:
+        replies.update(collect_replies(grid, [i for i in message_ids if i not in replies], more))
+        timeout_s += more
+    return replies, timeout_s
 
 
 def hello_content(config: ExperimentConfig, run_id: str) -> RecordDict:

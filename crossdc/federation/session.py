@@ -28,7 +28,7 @@ import numpy as np
 import torch
 from flwr.app import ConfigRecord, RecordDict
 
-from crossdc.compression.downlink import DownlinkSender
+from crossdc.compression.downlink import DownlinkSender, FragmentDownlink
 from crossdc.db.errors import DatabaseUnavailable
 from crossdc.db.records import DatacenterRoundRecord
 from crossdc.db.runlog import RunLog
@@ -118,7 +118,13 @@ class RoundSession:
             model_weights(self.model) if initial_weights is None
             else {k: np.asarray(v, np.float32).copy() for k, v in initial_weights.items()})
         codecs = config.compression
-        self.downlink = DownlinkSender(codecs.downlink_codecs, seed=config.run.seed) if codecs.downlink_codecs else None
+        streaming = self.strategy.loop == "streaming"
+        self.downlink = (DownlinkSender(codecs.downlink_codecs, seed=config.run.seed)
+                         if codecs.downlink_codecs and not streaming else None)
+        #: a streaming run's downlink: its exchanges' results, compressed (the sync loops' is :attr:`downlink`)
+        self.fragment_downlink = (FragmentDownlink(codecs.downlink_codecs, self.weights,
+                                                   bool(self.strategy.params.get("eager")), seed=config.run.seed)
+                                  if codecs.downlink_codecs and streaming else None)
         self.rules = GateRules(batch_size=config.workload.batch_size, reply_groups=tuple(self.strategy.reply_groups),
                                compressed=bool(codecs.codecs),
                                max_bytes=update_size_limit(raw_fp32_bytes(self.weights), len(self.strategy.reply_groups),
@@ -207,6 +213,15 @@ class RoundSession:
         mean = self.strategy.mean_update(updates)
         self.weights.update(fragment_step({n: self.weights[n] for n in names}, mean))
         return mean, update_cosines(updates, mean)
+
+    def exchange_result(self, exchange: int, names: Sequence[str], mean: Mapping[str, np.ndarray] | None) -> dict[str, np.ndarray]:
+        """What the datacenters are sent of a streaming exchange once its step is done (the strategy's
+        ``exchange_result`` of the fragment `names`), through the downlink codecs when the run has some."""
+        exchange_result = getattr(self.strategy, "exchange_result", None)
+        if exchange_result is None:
+            raise StrategyError(f"strategy '{self.strategy.name}' has no exchange_result: it is not a streaming strategy")
+        result = exchange_result({n: self.weights[n] for n in names}, mean)
+        return result if self.fragment_downlink is None else self.fragment_downlink.encode(exchange, result)
 
     def evaluate(self) -> tuple[float, float, float]:
         """(validation loss, accuracy, seconds) of the global weights on the workload's one validation set."""
@@ -307,8 +322,9 @@ class RoundSession:
         carried = state["carried"]
         self.val_loss, self.val_accuracy = carried["val_loss"], carried["val_accuracy"]
         self.totals = dict(carried["totals"])
-        if self.downlink is not None and carried.get("downlink") is not None:
-            self.downlink.load_state_dict(carried["downlink"])
+        for downlink in (self.downlink, self.fragment_downlink):
+            if downlink is not None and carried.get("downlink") is not None:
+                downlink.load_state_dict(carried["downlink"])
         self.worker_pids.update({name: list(pids) for name, pids in carried["worker_pids"].items() if name in nodes})
         restore_rng(state["rng"])
         if self.runlog is not None:
@@ -329,7 +345,8 @@ class RoundSession:
             return False
         everything = {"val_loss": self.val_loss, "val_accuracy": self.val_accuracy, "totals": dict(self.totals),
                       "worker_pids": self.worker_pids,
-                      "downlink": self.downlink.state_dict() if self.downlink is not None else None, **carried}
+                      "downlink": next((d.state_dict() for d in (self.downlink, self.fragment_downlink) if d is not None), None),
+                      **carried}
         info = checkpointer.save(loop_state(self.run_id, server_round, self.weights, self.strategy.state_dict(), everything))
         self.runlog.log_checkpoint(run_id=self.run_id, round=server_round, uri=info.uri)
         self.runlog.log_event(run_id=self.run_id, kind="checkpoint", round=server_round,

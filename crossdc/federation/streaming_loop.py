@@ -3,8 +3,9 @@
 Promises, per exchange k of the run (round r, fragment p; see :mod:`crossdc.strategies.fragments`): every
 datacenter gets one message that asks for the update of exchange k and carries the server's result of exchange
 k − 1 (the first carries the initial weights, on which each datacenter's trainer starts training at once); the
-exchange closes when every datacenter has replied, or at the deadline (``run.round_timeout_s``) if at least
-``min_replies`` have (the others are recorded as timed out, with an event; too few fails the run); every reply
+exchange closes when every datacenter has replied, or at its deadline (the fixed ``run.round_timeout_s``, or the
+adaptive ``run.deadline`` learnt from each datacenter's recent exchanges: :class:`~crossdc.federation.deadline.Deadlines`)
+if at least ``min_replies`` have (the others are recorded as timed out, with an event; too few fails the run); every reply
 passes the update gate against the fragment's weights, then the round's norm-outlier check; the fragment's
 aggregate is computed once and the strategy's outer step applied to that fragment
 (:meth:`~crossdc.federation.session.RoundSession.aggregate_fragment`). A round closes with its last fragment: the
@@ -17,8 +18,9 @@ How it hides Flower's per-message costs: a datacenter's ClientApp blocks until i
 send step, so the next message is always already posted when an exchange's reply is pushed; what the trainer may
 wait for is only the cycle from that reply to the next message's delivery (aggregation, the SuperNode's next pull,
 a ClientApp's start), and only if it is longer than τ_o inner steps (with eager updates: a whole round more). Each
-message's TTL is the exchange's deadline, which covers its wait in the SuperNode's queue and the time its ClientApp
-blocks.
+message's TTL is the exchange's deadline (the adaptive deadline's ceiling), which covers its wait in the SuperNode's
+queue and the time its ClientApp blocks. With ``[compression] downlink_codecs`` the results travel compressed
+(:class:`crossdc.compression.downlink.FragmentDownlink`).
 """
 
 from __future__ import annotations
@@ -36,7 +38,8 @@ from crossdc.db.records import DatacenterRoundRecord
 from crossdc.db.runlog import RunLog
 from crossdc.experiment.config import ExperimentConfig
 from crossdc.experiment.rundir import RunDir
-from crossdc.federation.grid_io import FederationError, collect_replies
+from crossdc.federation.deadline import Deadlines
+from crossdc.federation.grid_io import FederationError, collect_within
 from crossdc.federation.server_checkpoint import SETTINGS_ATTEMPT, SETTINGS_RESUME, ServerCheckpointer
 from crossdc.federation.session import merge_rows
 from crossdc.federation.sync_loop import MAX_ROUNDS_WITHOUT_UPDATES, start_session
@@ -58,7 +61,7 @@ def run_streaming(grid: Grid, run_dir: RunDir, run_id: str, config: ExperimentCo
     schedule = plan.schedule
     eager = bool(strategy.params["eager"])
     needed = config.run.min_replies or len(nodes)
-    timeout_s = config.run.round_timeout_s
+    deadlines = Deadlines(config.run.deadline, config.run.round_timeout_s, list(nodes))
     settings = run_dir.settings()
     attempt = int(settings.get(SETTINGS_ATTEMPT, 1))
     checkpointer = ServerCheckpointer.from_settings(settings, config.checkpoint.every_rounds, config.checkpoint.keep,
@@ -75,6 +78,7 @@ def run_streaming(grid: Grid, run_dir: RunDir, run_id: str, config: ExperimentCo
         first_round = last_round + 1
         exchanges_without_updates = carried["exchanges_without_updates"]
         results = {int(k): v for k, v in carried["results"].items()}
+        deadlines = Deadlines(config.run.deadline, config.run.round_timeout_s, list(nodes), carried.get("exchange_times"))
         timeline_zero = float(carried.get("timeline_zero", timeline_zero))
     carried_at: dict[int, float] = {}  # when the message carrying each result was pushed (wall-clock)
     first_exchange = schedule.exchange(first_round, 0)
@@ -93,6 +97,8 @@ def run_streaming(grid: Grid, run_dir: RunDir, run_id: str, config: ExperimentCo
             results_of = ([exchange - 1] if exchange > first_exchange
                           else schedule.results_needed_after(exchange - 1, eager))
             records = encode_results({k: results[k] for k in results_of})
+        # fixed, or from how long each datacenter's recent exchanges took (one seen too little gets the ceiling)
+        timeout_s, deadline_kind = deadlines.next(list(nodes))
         messages: dict[str, Message] = {}
         bytes_down: dict[str, int] = {}
         for name, node in nodes.items():
@@ -103,16 +109,17 @@ def run_streaming(grid: Grid, run_dir: RunDir, run_id: str, config: ExperimentCo
                 checkpoint_round=checkpointer.oldest_round if checkpointer is not None else None,
                 resume_round=first_round - 1 if attempt > 1 else None)
             content = RecordDict({**records, CONFIG_KEY: ConfigRecord(cfg)})
-            # the TTL covers the message's wait in the node's queue and the time its ClientApp blocks for the send
-            messages[name] = Message(content, dst_node_id=node, message_type=MessageType.TRAIN, ttl=timeout_s)
+            # the TTL (the fixed deadline, or the adaptive one's ceiling) covers the message's wait in the node's queue
+            # and the time its ClientApp blocks for the send
+            messages[name] = Message(content, dst_node_id=node, message_type=MessageType.TRAIN, ttl=deadlines.ttl_s)
             bytes_down[name] = payload_bytes(content)
         pushed_at = pushed[exchange] = time.time()
         carried_at.update(dict.fromkeys(results_of, pushed_at))
         ids = list(grid.push_messages(list(messages.values())))
         id_of = dict(zip(messages, ids, strict=True))
-        replies = collect_replies(grid, ids, timeout_s)
+        replies, timeout_s = collect_within(grid, ids, deadlines, timeout_s, needed)
         reference = {n: session.weights[n] for n in names}
-        reason = f"no reply within the exchange's {timeout_s:g}s (fixed run.round_timeout_s)"
+        reason = f"no reply within the exchange's {timeout_s:g}s ({deadline_kind})"
         # a trainer cannot have passed the merge that needed an earlier message before that message was posted: the
         # compute since its previous send began after the push of exchange k − 1 (eager: k − 1 − P)
         since = pushed.get(max(first_exchange, exchange - 1 - (schedule.fragments if eager else 0)), pushed_at)
@@ -135,7 +142,7 @@ def run_streaming(grid: Grid, run_dir: RunDir, run_id: str, config: ExperimentCo
             exchanges_without_updates += 1
             runlog.log_event(run_id=run_id, kind="round-without-updates", round=server_round,
                              detail=f"exchange {exchange} (fragment {fragment}): no usable update; the fragment is unchanged")
-        results[exchange] = strategy.exchange_result({n: session.weights[n] for n in names}, mean)
+        results[exchange] = session.exchange_result(exchange, names, mean)
         kept = set(schedule.results_needed_after(exchange, eager))
         results = {k: v for k, v in results.items() if k in kept}
         spans = []
@@ -158,6 +165,7 @@ def run_streaming(grid: Grid, run_dir: RunDir, run_id: str, config: ExperimentCo
                 record = record.replace(idle_s=float(metrics.get(protocol.IDLE_S, 0.0)), overhead_s=None)
                 sent_step = int(metrics[protocol.SENT_STEP]) if protocol.SENT_STEP in metrics else None
             round_rows[name].append(record)
+            deadlines.record(name, record.status, record.round_s, timeout_s)
             runlog.log_fragment_exchange(run_id=run_id, round=server_round, exchange=exchange, fragment=fragment,
                                          datacenter=name, status=record.status, reason=record.reason,
                                          bytes_up=int(record.bytes_up or 0), bytes_down=bytes_down[name],
@@ -180,6 +188,6 @@ def run_streaming(grid: Grid, run_dir: RunDir, run_id: str, config: ExperimentCo
                 # every datacenter saved its replica after this send; what is in flight is `results`
                 session.checkpoint(checkpointer, server_round,
                                    {"exchanges_without_updates": exchanges_without_updates, "results": results,
-                                    "timeline_zero": timeline_zero})
+                                    "timeline_zero": timeline_zero, "exchange_times": deadlines.times})
     session.save_final_weights()
     return session.summary(time.perf_counter() - run_started, fragments=schedule.fragments)

@@ -34,8 +34,8 @@ from crossdc import protocol
 from crossdc.db.runlog import RunLog
 from crossdc.experiment.config import ExperimentConfig, parse_config
 from crossdc.experiment.rundir import RunDir
-from crossdc.federation.deadline import round_deadline
-from crossdc.federation.grid_io import FederationError, collect_replies, discover_datacenters, rediscover
+from crossdc.federation.deadline import Deadlines
+from crossdc.federation.grid_io import FederationError, collect_within, discover_datacenters, rediscover
 from crossdc.federation.server_checkpoint import SETTINGS_ATTEMPT, SETTINGS_RESUME, ServerCheckpointer
 from crossdc.federation.session import RoundSession
 from crossdc.protocol import payload_bytes
@@ -115,23 +115,20 @@ def _run(grid: Grid, run_dir: RunDir, run_id: str, config: ExperimentConfig, run
     attempt = int(settings.get(SETTINGS_ATTEMPT, 1))
     checkpointer = ServerCheckpointer.from_settings(settings, config.checkpoint.every_rounds, config.checkpoint.keep,
                                                     config.run.rounds)
-    policy = config.run.deadline
-    round_times: dict[str, list[float]] = {name: [] for name in nodes}  # per datacenter, its completed rounds' seconds
+    deadlines = Deadlines(config.run.deadline, config.run.round_timeout_s, list(nodes))
     first_round = 1
     if settings.get(SETTINGS_RESUME):
         last_round, carried = session.resume(checkpointer, attempt, nodes)
         first_round = last_round + 1
         rounds_without_updates = carried["rounds_without_updates"]
-        round_times.update({name: list(times) for name, times in carried.get("round_times", {}).items() if name in round_times})
+        deadlines = Deadlines(config.run.deadline, config.run.round_timeout_s, list(nodes), carried.get("round_times"))
     for server_round in range(first_round, config.run.rounds + 1):
         round_started = time.perf_counter()
         if server_round > 1:
             rediscover(grid, nodes, seen_nodes, config, runlog, run_id, server_round)
         tau = strategy.tau(server_round)
-        if policy is None:
-            timeout_s, deadline_kind = config.run.round_timeout_s, "fixed run.round_timeout_s"
-        else:  # from how long each datacenter's recent rounds took; a datacenter seen too little gets the ceiling
-            timeout_s, deadline_kind = round_deadline(round_times, list(nodes), policy), "adaptive run.deadline"
+        # fixed, or from how long each datacenter's recent rounds took (one seen too little gets the ceiling)
+        timeout_s, deadline_kind = deadlines.next(list(nodes))
         session.prepare_model(server_round, server_round)
         messages: dict[str, Message] = {}
         bytes_down: dict[str, int] = {}
@@ -147,18 +144,12 @@ def _run(grid: Grid, run_dir: RunDir, run_id: str, config: ExperimentConfig, run
             # a message not delivered by the round's deadline expires: a datacenter that comes back late
             # gets the next round's model instead of training on a stale one
             # (with the adaptive deadline: its ceiling, the longest this round may wait on for enough replies)
-            messages[name] = Message(content, dst_node_id=node, message_type=MessageType.TRAIN,
-                                     ttl=policy.ceiling_s if policy is not None else timeout_s)
+            messages[name] = Message(content, dst_node_id=node, message_type=MessageType.TRAIN, ttl=deadlines.ttl_s)
             bytes_down[name] = payload_bytes(content)
         pushed_at = time.time()
         ids = list(grid.push_messages(list(messages.values())))
         id_of = dict(zip(messages, ids, strict=True))
-        replies = collect_replies(grid, ids, timeout_s)
-        if policy is not None and len(replies) < needed and timeout_s < policy.ceiling_s:
-            # too few replies by the adaptive deadline: wait on, up to the ceiling, rather than fail the run
-            late = [i for i in ids if i not in replies]
-            replies.update(collect_replies(grid, late, policy.ceiling_s - timeout_s))
-            timeout_s = policy.ceiling_s
+        replies, timeout_s = collect_within(grid, ids, deadlines, timeout_s, needed)
         timeout_reason = f"no reply within the round's {timeout_s:g}s ({deadline_kind})"
         judged = {name: session.judge(name, replies.get(id_of[name]), tau, pushed_at, timeout_reason) for name in nodes}
         session.reject_outliers(judged)
@@ -185,10 +176,7 @@ def _run(grid: Grid, run_dir: RunDir, run_id: str, config: ExperimentConfig, run
         for name, outcome in judged.items():
             record = session.finish_record(name, outcome, pushed_at, bytes_down=bytes_down[name],
                                            update_cosine=cosines.get(name))
-            if record.status == "ok":
-                round_times.setdefault(name, []).append(record.round_s)
-            elif record.status == "timeout":  # a lower bound of its pace: a datacenter that slowed down is learnt too
-                round_times.setdefault(name, []).append(timeout_s)
+            deadlines.record(name, record.status, record.round_s, timeout_s)
             runlog.log_datacenter_round(run_id=run_id, round=server_round, datacenter=name, record=record)
             records.append(record)
         session.log_round(server_round, tau, records, sum(bytes_down.values()), time.perf_counter() - round_started, eval_s)
@@ -200,6 +188,6 @@ def _run(grid: Grid, run_dir: RunDir, run_id: str, config: ExperimentConfig, run
         session.check_run_log(f"round-{server_round}")
         if checkpointer is not None and checkpointer.due(server_round):
             session.checkpoint(checkpointer, server_round,
-                               {"rounds_without_updates": rounds_without_updates, "round_times": round_times})
+                               {"rounds_without_updates": rounds_without_updates, "round_times": deadlines.times})
     session.save_final_weights()
     return session.summary(time.perf_counter() - run_started)

@@ -225,9 +225,7 @@ class InProcessFederation:
                 accepted.append(outcome.update)
         result.updates.extend(accepted)
         mean = session.aggregate_fragment(names, accepted)[0] if accepted else None  # none: the fragment stays
-        strategy = self.strategy
-        assert isinstance(strategy, StreamingDiLoCo)
-        self.exchange_results[exchange] = strategy.exchange_result({n: self.weights[n] for n in names}, mean)
+        self.exchange_results[exchange] = session.exchange_result(exchange, names, mean)
 
     def evaluate(self) -> tuple[float, float]:
         """(validation loss, accuracy) of the current global weights on the workload's one validation set."""
