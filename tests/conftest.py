@@ -104,13 +104,15 @@ def interruptible() -> None:
 
 
 def streaming_toml(*, name: str, rounds: int, tau: int, params: str, speed: float, link: str | None = None,
-                   extra: str = "") -> str:
+                   extra: str = "", deadline: str | None = None) -> str:
     """The experiment the streaming tests run: two datacenters (us-east, eu-west) training the synthetic MLP with
     AdamW under Streaming DiLoCo with `params` (a TOML inline table), each at `speed` behind `link` (none: loopback),
-    with `extra` TOML appended (sections of its own)."""
+    with `extra` TOML appended (sections of its own); exchanges wait 300 s, or by the adaptive `deadline` (an inline
+    table) if given."""
     link_line = f'link = "{link}"\n' if link else ""
     datacenters = "".join(f'\n[[datacenters]]\nname = "{dc}"\n{link_line}speed = {speed:g}\n' for dc in ("us-east", "eu-west"))
-    return (f'[run]\nname = "{name}"\nrounds = {rounds}\nseed = 0\nround_timeout_s = 300\n\n'
+    wait = f"deadline = {deadline}" if deadline else "round_timeout_s = 300"
+    return (f'[run]\nname = "{name}"\nrounds = {rounds}\nseed = 0\n{wait}\n\n'
             '[workload]\ndataset = "synthetic"\nmodel = "mlp"\npartition = { kind = "iid" }\nbatch_size = 16\n'
             'optimizer = "adamw"\nlr = 0.01\n\n'
             f'[strategy]\nname = "streaming-diloco"\ntau = {tau}\nparams = {params}\n{extra}{datacenters}')

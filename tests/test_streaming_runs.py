@@ -27,11 +27,14 @@ OVERLAPPED = '{ fragments = 2, overlap = 1, alpha = 0.5, eager = true }'
 NOT_OVERLAPPED = '{ fragments = 2, overlap = 0, alpha = 0.0, eager = false }'
 PARAMS = {"overlapped": OVERLAPPED, "not-overlapped": NOT_OVERLAPPED}
 EXTRA = {"overlapped": "", "not-overlapped": '\n[compression]\ndownlink_codecs = ["int8"]\n'}
+#: the overlapped run's exchanges wait by the adaptive deadline (its floor far above an exchange here: none is missed)
+DEADLINE = {"overlapped": "{ floor_s = 120, ceiling_s = 300, k_mad = 4, min_history = 2 }", "not-overlapped": None}
 
 
 def config_with(label: str, speed: float = 0.01) -> ExperimentConfig:
     return parse_config(tomllib.loads(streaming_toml(name="streaming-e2e", rounds=2, tau=100, params=PARAMS[label],
-                                                     speed=speed, link="transoceanic", extra=EXTRA[label])))
+                                                     speed=speed, link="transoceanic", extra=EXTRA[label],
+                                                     deadline=DEADLINE[label])))
 
 
 @pytest.fixture(scope="module")

@@ -114,6 +114,10 @@ def test_a_changed_launch_or_package_is_refused(tmp_path: Path) -> None:
     (tmp_path / "launch_v3.py").write_text('import subprocess\n\ndef go():\n    subprocess.Popen(["flower-superexec-2"])\n')
     with pytest.raises(supernode.FlowerLoopChanged):
         supernode.patch_launch(load_module(tmp_path / "launch_v3.py"), supernode.SUPEREXEC, "source")
+    # a launch that keeps the process Popen returns would get crossdc's launcher's answer instead: refused
+    (tmp_path / "launch_v4.py").write_text('import subprocess\n\ndef go():\n    p = subprocess.Popen(["flower-superexec"])\n')
+    with pytest.raises(supernode.FlowerLoopChanged, match="keeps what it returns"):
+        supernode.patch_launch(load_module(tmp_path / "launch_v4.py"), supernode.SUPEREXEC, "source")
     known = '"""Doc."""\n\nfrom .flower_supernode import flower_supernode\nfrom .flwr_clientapp import flwr_clientapp\n\n__all__ = ["x"]\n'
     assert supernode.cli_package_imports(known) == supernode.KNOWN_CLI_IMPORTS
     changed = supernode.cli_package_imports(known + "register_plugins()\n")
@@ -137,3 +141,15 @@ def test_a_clientapp_starts_without_the_supernodes_command_line() -> None:
     assert "loaded: False True" in result.stdout
     refused = subprocess.run([*supernode.command()[:3], "--as", "flwr-serverapp"], capture_output=True, text=True, timeout=120)
     assert refused.returncode != 0 and "--as takes flower-superexec or flwr-clientapp" in refused.stderr
+
+
+@pytest.mark.timeout(180)
+def test_the_fork_server_starts_flowers_clientapp_with_its_arguments() -> None:
+    """The SuperExec's launcher: each ClientApp a new process forked from a server that imported it once, running
+    Flower's own flwr_clientapp on the arguments Flower gave (here its usage, and its refusal of an unknown option)."""
+    launch = supernode.ForkServerLaunch()
+    shown, refused = launch(["--help"]), launch(["--no-such-option"])
+    for process in (shown, refused):
+        process.join(timeout=120)
+    assert shown.exitcode == 0 and refused.exitcode == 2  # argparse: usage shown; an unknown option refused
+    assert shown.pid != refused.pid

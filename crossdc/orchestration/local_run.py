@@ -47,7 +47,6 @@ from crossdc.deployment.superlink_control import ControlError, SuperLinkControl
 from crossdc.experiment.config import ExperimentConfig
 from crossdc.experiment.processes import (
     ProcessGroup,
-    die_with_parent,
     ensure_port_free,
     flower_env,
     free_port,
@@ -67,11 +66,6 @@ HOST = "127.0.0.1"
 TRAINER_START_TIMEOUT_S = 300.0
 #: how often Flower's own run status is checked, and how long SQL may lag behind Flower's "finished"
 FLOWER_CHECK_S = 10.0
-#: the trainers' (and their worker ranks') niceness in a local run: a lower CPU priority than Flower's processes and
-#: the delay line, which on a real deployment run on machines of their own. On one shared machine the control plane's
-#: short bursts (a ClientApp's start, a message's pull and push) would otherwise queue behind the trainers' steps and
-#: stretch every exchange; the trainers still get every cycle the control plane leaves.
-TRAINER_NICE = 10
 FLOWER_END_GRACE_S = 5.0
 FLOWER_APP_TEMPLATE = Path(__file__).with_name("flower_app") / "pyproject.toml"
 
@@ -205,23 +199,14 @@ class LocalRun:
         self.network = EmulatedNetwork(star, mesh, self.run_dir.logs / "links", seed=self.config.run.seed,
                                        log_path=self.run_dir.logs / "delay-line.log").start()
 
-    def _datacenter_process(self, name: str, nice: int = 0) -> dict[str, Any]:
-        """How a datacenter's process starts: its environment, (with the namespace emulator) its namespace, whose
-        loopback carries the traffic between the datacenter's own processes (gloo is told so), and `nice` more
-        niceness than this process (a lower CPU priority; what it starts inherits it)."""
+    def _datacenter_process(self, name: str) -> dict[str, Any]:
+        """How a datacenter's process starts: its environment, and (with the namespace emulator) its namespace, whose
+        loopback carries the traffic between the datacenter's own processes (gloo is told so)."""
         env = run_env(self.run_dir)
-        enter = die_with_parent
-        if self.network is not None:
-            env["GLOO_SOCKET_IFNAME"] = "lo"
-            enter = self.network.preexec(name)
-        if not nice:
-            return {"env": env, "preexec": enter}
-
-        def enter_and_yield() -> None:
-            enter()
-            os.nice(nice)
-
-        return {"env": env, "preexec": enter_and_yield}
+        if self.network is None:
+            return {"env": env}
+        env["GLOO_SOCKET_IFNAME"] = "lo"
+        return {"env": env, "preexec": self.network.preexec(name)}
 
     @property
     def coordinator_host(self) -> str:
@@ -238,7 +223,7 @@ class LocalRun:
         self.processes.start(
             f"trainer-{name}",
             [sys.executable, "-m", "crossdc.clients.trainer", "--run-dir", str(self.run_dir.path), "--datacenter", name],
-            self.run_dir.logs / f"trainer-{name}.log", **self._datacenter_process(name, nice=TRAINER_NICE),
+            self.run_dir.logs / f"trainer-{name}.log", **self._datacenter_process(name),
         )
 
     def _await_trainer(self, name: str) -> None:
