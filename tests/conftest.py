@@ -6,9 +6,11 @@ import contextlib
 import os
 import shutil
 import signal
+import subprocess
 import sys
+import time
 import uuid
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -17,7 +19,7 @@ from sqlalchemy.engine import make_url
 
 from crossdc.db.engine import make_engine, upgrade
 from crossdc.db.queries import get_run, list_datacenter_rounds, list_events, list_rounds
-from crossdc.experiment.processes import is_running
+from crossdc.experiment.processes import free_port, is_running
 from crossdc.wan.network import namespaces_unavailable
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
@@ -258,3 +260,24 @@ def authenticating_superlink(directory: Path) -> Iterator[tuple[str, Any]]:
         yield f"127.0.0.1:{port}", certs
     finally:
         processes.stop_all()
+
+
+def run_and_kill_when(config: Path, db_url: str, runs: Path, env: dict[str, str], ready: Callable[[str], bool],
+                       within_s: float, poll_s: float) -> str:
+    """Start `crossdc run config`, SIGKILL its coordinator once `ready(run_id)` holds (within `within_s`), and return
+    the run's id; fails if the run ended first."""
+    coordinator = subprocess.Popen([CROSSDC, "run", str(config), "--db", db_url, "--port", str(free_port()),
+                                    "--runs-dir", str(runs)], stdout=subprocess.PIPE, stderr=subprocess.DEVNULL,
+                                   env=env, start_new_session=True)
+    deadline = time.monotonic() + within_s
+    run_id = None
+    while time.monotonic() < deadline and coordinator.poll() is None:
+        folders = [p.name for p in runs.glob("*") if p.is_dir()] if runs.exists() else []
+        run_id = folders[0] if folders else None
+        if run_id and ready(run_id):
+            break
+        time.sleep(poll_s)
+    assert run_id and coordinator.poll() is None, "the run ended before it could be interrupted"
+    os.kill(coordinator.pid, signal.SIGKILL)
+    coordinator.wait(timeout=30)
+    return run_id
