@@ -83,7 +83,8 @@ def test_demo_quick_smoke(tmp_path: Path) -> None:
             demo.kill()
     assert demo.returncode == 0, stderr[-3000:]
     assert "Traceback" not in stderr
-    for text in ("4 datacenters", "all workers", "sequential", "gap", "communication", "overhead", f"dashboard: {base}/"):
+    for text in ("4 datacenters", "all workers", "sequential", "gap", "communication", "trainer utilisation",
+                 "the slowest datacenter's compute", f"dashboard: {base}/"):
         assert text in stderr, text
     # not a terminal: one plain line per round as it ends (rich's bars would show nothing until the end)
     lines = stderr.splitlines()

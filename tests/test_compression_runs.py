@@ -23,11 +23,12 @@ BAD_DATACENTER = "eu-west"
 
 
 def shakespeare_config(codecs: list[str], downlink_codecs: list[str] | None = None) -> dict:
-    """2 datacenters, a ~400k-parameter char transformer, 3 rounds of τ = 5: the same for every codec list."""
+    """2 datacenters, a ~400k-parameter char transformer, 3 rounds of FedAvg at τ = 5: the same for every codec
+    list."""
     doc = tomllib.loads((REPO / "crossdc" / "orchestration" / "demo.toml").read_text())
     doc["run"].update(rounds=3, name="compression-" + ("-".join(codecs) or "none"))
     doc["workload"]["model_args"].update(d_model=128)
-    doc["strategy"]["tau"] = {"start": 5, "end": 5, "warmup_rounds": 0}
+    doc["strategy"] = {"name": "fedavg", "tau": {"start": 5, "end": 5, "warmup_rounds": 0}}
     doc["datacenters"] = [{"name": "us-east"}, {"name": "eu-west"}]
     doc["compression"] = {"codecs": codecs, "downlink_codecs": downlink_codecs or []}
     return doc

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 import time
 import uuid
 from collections.abc import Callable
@@ -142,13 +143,15 @@ def _run_and_report(console: Console, config: Any, db_url: str, port: int, runs_
     started = time.perf_counter()
     with RoundProgress(console) as progress:
         on_round = progress.track("federation", config.run.rounds, status="starting trainers and Flower…")
+        federation_started = time.perf_counter()
         federated = run_local(config, LocalRunOptions(db_url=db_url, superlink_port=port, runs_root=runs_dir, progress=on_round)).summary
+        federation_s = time.perf_counter() - federation_started
         progress.done("federation")
         baselines: dict[str, dict[str, Any]] = {}
         for kind in LOCAL_BASELINES:
             baselines[kind] = run_baseline(config, kind, db_url, uuid.uuid4().hex,
                                            progress=progress.track(f"{kind} baseline", config.run.rounds))
-    breakdown = _time_breakdown(db_url, federated["run_id"])
+    breakdown = time_breakdown(db_url, federated["run_id"], federated["wall_s"], federation_s)
     _print_table(console, config, federated, baselines, breakdown, time.perf_counter() - started)
     if dashboard is not None:
         console.print(f"this run on the dashboard: {dashboard.url}/runs/{federated['run_id']}")
@@ -163,15 +166,30 @@ def _run_and_report(console: Console, config: Any, db_url: str, port: int, runs_
     return {"federated": federated, "baselines": baselines, "breakdown": breakdown}
 
 
-def _time_breakdown(db_url: str, run_id: str) -> dict[str, float]:
-    """Median per (datacenter, round) of compute, communication and overhead seconds."""
+def time_breakdown(db_url: str, run_id: str, training_s: float, total_s: float) -> dict[str, float]:
+    """Where a federated run's time went: the medians per (datacenter, round) of compute, communication, overhead,
+    idle and round seconds; the trainers' utilisation Σcompute / (Σcompute + Σidle) and the exposed comm/comp
+    Σidle / Σcompute over every datacenter and round; `training_s` (the federation's own wall time, from its first
+    message to its last round) against the compute-only time, the slowest datacenter's summed compute_s; and the
+    start-up and shut-down around it (`total_s` − `training_s`: trainers, namespaces, Flower)."""
     engine = make_engine(db_url)
     try:
         rows = [r for r in list_datacenter_rounds(engine, run_id) if r["status"] == "ok"]
     finally:
         engine.dispose()
     pick = lambda key: [float(r[key]) for r in rows if r.get(key) is not None]  # noqa: E731
-    return {key: (median(pick(key)) if pick(key) else float("nan")) for key in ("compute_s", "comm_s", "overhead_s", "round_s")}
+    breakdown = {key: (median(pick(key)) if pick(key) else float("nan"))
+                 for key in ("compute_s", "comm_s", "overhead_s", "idle_s", "round_s")}
+    compute, idle = sum(pick("compute_s")), sum(pick("idle_s"))
+    per_datacenter: dict[str, float] = {}
+    for row in rows:
+        per_datacenter[row["datacenter"]] = per_datacenter.get(row["datacenter"], 0.0) + float(row["compute_s"] or 0.0)
+    slowest = max(per_datacenter.values(), default=float("nan"))
+    breakdown.update(utilisation=compute / (compute + idle) if compute + idle else float("nan"),
+                     exposed_comm_comp=idle / compute if compute else float("nan"), training_s=training_s,
+                     slowest_compute_s=slowest, wall_over_compute=training_s / slowest if slowest else float("nan"),
+                     startup_s=total_s - training_s)
+    return breakdown
 
 
 def _print_table(console: Console, config: Any, federated: dict[str, Any], baselines: dict[str, dict[str, Any]],
@@ -193,8 +211,18 @@ def _print_table(console: Console, config: Any, federated: dict[str, Any], basel
     console.print("gap = (L_federated − L_baseline) / L_baseline on validation loss; accuracy difference in points")
     comm = breakdown["comm_s"]
     comm_text = "not measured" if comm != comm else f"{comm:.3f}s"
-    console.print(f"per datacenter and round (median): round {breakdown['round_s']:.2f}s = compute {breakdown['compute_s']:.2f}s"
-                  f" + communication {comm_text} (measured on the emulated link; "
-                  f"ratio comm/comp {breakdown['comm_s'] / breakdown['compute_s']:.2f})"
-                  f" + Flower/process overhead {breakdown['overhead_s']:.2f}s")
+    if math.isnan(breakdown["overhead_s"]):  # streaming: the WAN and Flower's work run while the trainers compute
+        console.print(f"per datacenter and round (median): compute {breakdown['compute_s']:.2f}s, idle "
+                      f"{breakdown['idle_s']:.2f}s; communication {comm_text} on the emulated link and Flower's work "
+                      "ran while the trainers computed")
+    else:
+        console.print(f"per datacenter and round (median): round {breakdown['round_s']:.2f}s = compute "
+                      f"{breakdown['compute_s']:.2f}s + communication {comm_text} (measured on the emulated link; "
+                      f"ratio comm/comp {breakdown['comm_s'] / breakdown['compute_s']:.2f})"
+                      f" + Flower/process overhead {breakdown['overhead_s']:.2f}s")
+    console.print(f"trainer utilisation {100 * breakdown['utilisation']:.1f}% (exposed comm/comp "
+                  f"{breakdown['exposed_comm_comp']:.3f}: the trainers' waits over their compute); the federation's "
+                  f"{breakdown['training_s']:.1f}s from its first message to its last round = "
+                  f"{breakdown['wall_over_compute']:.2f}× the slowest datacenter's compute "
+                  f"({breakdown['slowest_compute_s']:.1f}s), plus {breakdown['startup_s']:.1f}s of start-up and shut-down")
     console.print(f"demo wall time {wall_s:.0f}s")

@@ -320,15 +320,16 @@ def evaluate(workload: Workload, model: nn.Module, batch_size: int = 512) -> tup
     correct = 0
     count = 0
     try:
-        inputs_all, targets_all = dataset.tensors
-        for start in range(0, len(dataset), batch_size):
-            inputs = inputs_all[start : start + batch_size].to(device)
-            targets = targets_all[start : start + batch_size].to(device)
-            logits = model(inputs)
-            n = targets.numel()
-            total_loss += float(workload.loss(logits, targets)) * n
-            correct += int((logits.argmax(dim=-1) == targets).sum())
-            count += n
+        with torch.no_grad():
+            inputs_all, targets_all = dataset.tensors
+            for start in range(0, len(dataset), batch_size):
+                inputs = inputs_all[start : start + batch_size].to(device)
+                targets = targets_all[start : start + batch_size].to(device)
+                logits = model(inputs)
+                n = targets.numel()
+                total_loss += float(workload.loss(logits, targets)) * n
+                correct += int((logits.argmax(dim=-1) == targets).sum())
+                count += n
     finally:
         model.train(was_training)
     if count == 0:
