@@ -177,10 +177,10 @@ def time_breakdown(db_url: str, run_id: str, training_s: float, total_s: float) 
         rows = [r for r in list_datacenter_rounds(engine, run_id) if r["status"] == "ok"]
     finally:
         engine.dispose()
-    pick = lambda key: [float(r[key]) for r in rows if r.get(key) is not None]  # noqa: E731
-    breakdown = {key: (median(pick(key)) if pick(key) else float("nan"))
-                 for key in ("compute_s", "comm_s", "overhead_s", "idle_s", "round_s")}
-    compute, idle = sum(pick("compute_s")), sum(pick("idle_s"))
+    values = {key: [float(r[key]) for r in rows if r.get(key) is not None]
+              for key in ("compute_s", "comm_s", "overhead_s", "idle_s", "round_s")}
+    breakdown = {key: (median(found) if found else float("nan")) for key, found in values.items()}
+    compute, idle = sum(values["compute_s"]), sum(values["idle_s"])
     per_datacenter: dict[str, float] = {}
     for row in rows:
         per_datacenter[row["datacenter"]] = per_datacenter.get(row["datacenter"], 0.0) + float(row["compute_s"] or 0.0)
