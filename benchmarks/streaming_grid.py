@@ -26,14 +26,20 @@ to its last round against the slowest datacenter's summed compute_s (goal ≤ 1.
 process start-up (trainers, Flower) is reported apart. A run without overlap waits a whole exchange cycle per
 exchange: the median wait of (b) is the cycle the grid's times use.
 
-Usage: python benchmarks/streaming_grid.py [--parts grid,deployment] [--jobs 2] [--quick]
+Part "depth" (in-process, one round each): the peak bytes of one sync against the whole update for P ∈ {1, 2, 4}
+on the same transformer with 2, 4 and 8 layers. Fragments are whole layers (the paper's rule), so on the demo's
+2-layer model the largest layer bounds the peak; deeper models show where the 1.25/P goal holds.
+
+Usage: python benchmarks/streaming_grid.py [--parts grid,deployment,depth] [--jobs 2] [--quick]
        [--out benchmarks/results/streaming_grid.json]
+A part left out of --parts keeps its rows from the results file already at --out.
 """
 
 from __future__ import annotations
 
 import argparse
 import copy
+import json
 import os
 import platform
 import statistics
@@ -147,8 +153,6 @@ def run_grid_row(row: dict[str, Any]) -> dict[str, Any]:
 def part_grid(jobs: int, quick: bool, cache: Path | None) -> list[dict[str, Any]]:
     """Every row of the grid, `jobs` at a time; with `cache`, each finished row is kept there (one JSON file per
     row and setting) and a rerun takes it from there."""
-    import json
-
     rows = grid_rows(quick)
     cached: dict[str, dict[str, Any]] = {}
     if cache is not None:
@@ -176,6 +180,39 @@ def part_grid(jobs: int, quick: bool, cache: Path | None) -> list[dict[str, Any]
                      and not x.get("outer_lr")), None)
         r["gap_to_fp32_rel"] = ((r["val_loss"] - fp32["val_loss"]) / fp32["val_loss"]
                                 if fp32 is not None and r["codec"] != "fp32" else None)
+    return done
+
+
+#: model depths of part "depth": the demo's 2 layers, and deeper stacks of the same width
+DEPTHS = (2, 4, 8)
+
+
+def depth_rows() -> list[dict[str, Any]]:
+    """Part "depth": one round of Streaming DiLoCo (τ_o = 1) for P ∈ {1, 2, 4} on the demo's transformer at each of
+    DEPTHS layers; the fragments are whole layers, so the peak of one sync falls with P only as far as the largest
+    layer allows."""
+    rows = []
+    for layers in DEPTHS:
+        for fragments in (1, 2, 4):
+            label = f"depth-L{layers}-P{fragments}"
+            doc = grid_config(label, "streaming-diloco", H, {"fragments": fragments, "overlap": 1, "alpha": 0.5},
+                              rounds=1)
+            doc["workload"]["model_args"]["layers"] = layers
+            rows.append({"label": label, "doc": doc, "strategy": "streaming-diloco", "fragments": fragments,
+                         "overlap": 1, "eager": False, "codec": "fp32", "layers": layers})
+    return rows
+
+
+def part_depth(jobs: int) -> list[dict[str, Any]]:
+    """Peak bytes of one sync against P = 1's (DiLoCo's whole update) at each depth."""
+    with ProcessPoolExecutor(max_workers=jobs) as pool:
+        done = list(pool.map(run_grid_row, depth_rows()))
+    for r in done:
+        whole = next(x for x in done if x["layers"] == r["layers"] and x["fragments"] == 1)
+        r["peak_vs_diloco"] = r["peak_bytes_per_sync"] / whole["peak_bytes_per_sync"]
+        r["peak_goal"] = 1.25 / r["fragments"]
+        print(f"  depth {r['label']:<16} peak {r['peak_bytes_per_sync'] / 1e3:8.1f} kB = {r['peak_vs_diloco']:.3f} of the "
+              f"whole update (goal ≤ {r['peak_goal']:.3f})", flush=True)
     return done
 
 
@@ -286,7 +323,7 @@ def eager_cell(row: dict[str, Any]) -> str:
 
 
 def markdown(grid: list[dict[str, Any]], deployment: list[dict[str, Any]], cycle_s: float | None,
-             step_s: float | None) -> str:
+             step_s: float | None, depth: list[dict[str, Any]] | None = None) -> str:
     lines = []
     if grid:
         measured = cycle_s is not None and step_s is not None
@@ -318,12 +355,22 @@ def markdown(grid: list[dict[str, Any]], deployment: list[dict[str, Any]], cycle
             lines.append(f"| {d['label']} | {d['rounds']} | {d['exposed_comm_comp_after_round_1']:.3f} | "
                          f"{100 * d['utilisation']:.1f} % | {d['federation_wall_s']:.1f} s | {d['wall_over_compute']:.3f} | "
                          f"{d['startup_s']:.1f} s | {d['median_wait_per_exchange_s'] or 0:.2f} s |")
+    if depth:
+        lines += ["", "Depth (peak bytes of one sync against the whole update, the demo's transformer at d_model 64 with "
+                  "more layers; fragments are whole layers):", "",
+                  "| layers | whole update (kB, fp32) | P = 1 | P = 2 (goal ≤ 0.625) | P = 4 (goal ≤ 0.3125) |",
+                  "| ---: | ---: | ---: | ---: | ---: |"]
+        for layers in sorted({r["layers"] for r in depth}):
+            of = {r["fragments"]: r for r in depth if r["layers"] == layers}
+            lines.append(f"| {layers} | {of[1]['peak_bytes_per_sync'] / 1e3:.1f} | " +
+                         " | ".join(f"{of[p]['peak_vs_diloco']:.3f}" for p in (1, 2, 4)) + " |")
     return "\n".join(lines)
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--parts", default="grid,deployment")
+    parser.add_argument("--parts", default="grid,deployment,depth",
+                        help="which parts to run; a part not run keeps its rows from the results file at --out")
     parser.add_argument("--jobs", type=int, default=int(os.environ.get("CROSSDC_BENCH_JOBS", "2")),
                         help="in-process experiments run side by side (each on one core)")
     parser.add_argument("--quick", action="store_true", help="fewer rounds and rows (a smoke test)")
@@ -332,16 +379,20 @@ def main() -> None:
     args = parser.parse_args()
     parts = set(args.parts.split(","))
     started = time.perf_counter()
-    grid = part_grid(args.jobs, args.quick, Path(args.cache) if args.cache else None) if "grid" in parts else []
+    kept = json.loads(Path(args.out).read_text()) if Path(args.out).exists() and not args.quick else {}
+    grid = (part_grid(args.jobs, args.quick, Path(args.cache) if args.cache else None) if "grid" in parts
+            else kept.get("grid", []))
     with tempfile.TemporaryDirectory() as tmp:
-        deployment = part_deployment(Path(tmp), args.quick) if "deployment" in parts else []
+        deployment = part_deployment(Path(tmp), args.quick) if "deployment" in parts else kept.get("deployment", [])
+    depth = part_depth(args.jobs) if "depth" in parts and not args.quick else kept.get("depth", [])
     waiting = next((d for d in deployment if d["label"] == "demo-not-overlapped"), None)
     cycle_s = waiting["median_wait_per_exchange_s"] if waiting is not None else None
     step_s = waiting["step_s"] if waiting is not None else None
-    table = markdown(grid, deployment, cycle_s, step_s)
+    table = markdown(grid, deployment, cycle_s, step_s, depth)
     result = {"grid_engine": GRID_ENGINE, "deployment_engine": DEPLOYMENT_ENGINE,
               "machine": f"{platform.machine()}, {os.cpu_count()} cores", "quick": args.quick,
               "date": time.strftime("%Y-%m-%d"), "steps_per_round": H, "grid": grid, "deployment": deployment,
+              "depth": depth, "parts_run": sorted(parts),
               "cycle_s": cycle_s, "step_s": step_s, "wall_s": time.perf_counter() - started, "table_markdown": table}
     write_results(args.out, result, table)
 
