@@ -160,6 +160,10 @@ CASES: dict[str, tuple[str | None, list[str], tuple[str, ...]]] = {
     "streaming-overlap": (BASE.replace('name = "fedavg"\ntau = 1', 'name = "streaming-diloco"\ntau = 4\nparams = { overlap = 3 }')
                           .replace('optimizer = "sgd"', 'optimizer = "adamw"'), [],
                           ("strategy 'streaming-diloco'", "overlap 3 must be within [0, H/P = 2]")),
+    "gossip-ring-of-two": (BASE.replace('name = "fedavg"\ntau = 1', 'name = "gossip"\ntau = 2\nparams = { topology = "ring" }'),
+                           [], ("strategy 'gossip'", "a ring needs at least 3 datacenters, the run has 2")),
+    "gossip-not-built": (BASE.replace('name = "fedavg"', 'name = "gossip"'), [],
+                         ("strategy 'gossip' (gossip) is not implemented yet", "in-process")),
     "bad-checkpoint": (BASE + '\n[checkpoint]\nevery_rounds = -1\n', [], ("'checkpoint.every_rounds'", "≥ 0")),
     "unknown-codec": (BASE + '\n[compression]\ncodecs = ["zip"]\n', [], ("'compression.codecs'", "unknown codec 'zip'", "topk")),
     "codec-fraction": (BASE + '\n[compression]\ncodecs = ["topk:1.5"]\n', [], ("codec 'topk' parameter 'fraction'", "1.5")),

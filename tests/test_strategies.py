@@ -255,9 +255,10 @@ def test_a_tensor_group_may_not_take_a_reserved_record_name(attribute: str, grou
 
 
 def test_an_unknown_loop_is_refused_at_class_definition() -> None:
-    assert LOOPS == ("sync", "async", "streaming")
-    with pytest.raises(StrategyError, match="strategy class Gossip: unknown loop 'gossip'; known: sync, async, streaming"):
-        type("Gossip", (Strategy,), {"name": "gossip", "loop": "gossip"})
+    assert LOOPS == ("sync", "async", "streaming", "gossip")
+    with pytest.raises(StrategyError, match="strategy class Pipeline: unknown loop 'pipeline'; known: sync, async, "
+                                            "streaming, gossip"):
+        type("Pipeline", (Strategy,), {"name": "pipeline", "loop": "pipeline"})
 
 
 # -- a least-squares problem with a known optimum, on the real datacenter code ------------------------

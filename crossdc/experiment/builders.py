@@ -25,8 +25,23 @@ def build_workload(config: ExperimentConfig) -> Workload:
 
 
 def run_info(config: ExperimentConfig) -> RunInfo:
-    """What a strategy may check about the run: its datacenters and inner optimizer."""
-    return RunInfo(datacenters=tuple(config.datacenter_names), optimizer=config.workload.optimizer, lr=config.workload.lr)
+    """What a strategy may check about the run: its datacenters, inner optimizer, seed, the round-trip times between
+    its datacenters and its codecs."""
+    return RunInfo(datacenters=tuple(config.datacenter_names), optimizer=config.workload.optimizer, lr=config.workload.lr,
+                   seed=config.run.seed, rtt_ms=datacenter_rtts(config), codecs=tuple(config.compression.codecs))
+
+
+def datacenter_rtts(config: ExperimentConfig) -> dict[tuple[str, str], float]:
+    """The round-trip time (ms) between every pair of datacenters (in config order): their direct link's (`[[links]]`),
+    else the sum of their links to the coordinator (a datacenter without a link counts 0)."""
+    star = {dc.name: dc.link.rtt_ms if dc.link is not None else 0.0 for dc in config.datacenters}
+    names = config.datacenter_names
+    rtts = {}
+    for i, a in enumerate(names):
+        for b in names[i + 1:]:
+            mesh = config.mesh_link(a, b)
+            rtts[(a, b)] = mesh.link.rtt_ms if mesh is not None else star[a] + star[b]
+    return rtts
 
 
 def build_strategy(config: ExperimentConfig) -> Strategy:

@@ -57,6 +57,7 @@ from crossdc.experiment.processes import (
 )
 from crossdc.experiment.rundir import SETTINGS_LINK_EMULATOR, RunDir
 from crossdc.federation.server_checkpoint import SETTINGS_ATTEMPT, SETTINGS_RESUME, SETTINGS_URL
+from crossdc.strategies.registry import strategy_class
 from crossdc.wan.link_relay import LinkRelay
 from crossdc.wan.network import EmulatedNetwork, namespaces_unavailable
 
@@ -419,6 +420,10 @@ class LocalRun:
     # --------------------------------------------------------------- driver
     def execute(self) -> LocalRunResult:
         """Run the experiment to its end; always stop every process; never leave the run 'running'."""
+        if strategy_class(self.config.strategy.name).loop == "gossip":
+            raise RunFailed(f"strategy '{self.config.strategy.name}' (gossip) is not implemented yet on Flower's engines: "
+                            "its datacenter-to-datacenter transport is being built; run it in-process "
+                            "(crossdc.testing.inprocess, benchmarks/gossip_bench.py)")
         if self.options.superlink is not None:
             return self._execute_on_standing_federation()
         prepared = False

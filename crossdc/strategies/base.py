@@ -68,8 +68,9 @@ Arrays = Mapping[str, np.ndarray]
 #: same global weights and one aggregate ends the round (crossdc.federation.sync_loop); ``async`` — updates applied as
 #: they arrive, scaled by staleness (crossdc.federation.async_loop, :class:`crossdc.strategies.asynchronous.AsyncStrategy`);
 #: ``streaming`` — the model synced fragment by fragment while the datacenters keep training
-#: (:class:`crossdc.strategies.streaming_diloco.StreamingDiLoCo`)
-LOOPS: tuple[str, ...] = ("sync", "async", "streaming")
+#: (:class:`crossdc.strategies.streaming_diloco.StreamingDiLoCo`); ``gossip`` — every datacenter its own replica, mixed
+#: with its neighbours', no server step (:class:`crossdc.strategies.gossip.Gossip`)
+LOOPS: tuple[str, ...] = ("sync", "async", "streaming", "gossip")
 
 
 @dataclass(frozen=True)
@@ -100,6 +101,11 @@ class RunInfo:
     datacenters: tuple[str, ...]
     optimizer: str  # the inner optimizer's name (workload.optimizer)
     lr: float  # the inner optimizer's learning rate η_l
+    seed: int = 0  # the run's seed (run.seed)
+    #: the round-trip time between each pair of datacenters (a pair's direct link, else the two links through the
+    #: coordinator), keyed by the pair in config order; empty where the links are not known
+    rtt_ms: Mapping[tuple[str, str], float] = field(default_factory=dict)
+    codecs: tuple[str, ...] = ()  # the uplink codec pipeline ([compression] codecs)
 
 
 @dataclass(frozen=True)

@@ -15,6 +15,11 @@ inner steps with the P fragment exchanges the schedule puts in it, met in the sc
 their steps; an exchange's updates pass the gate against the fragment's weights, its server step is
 :meth:`~crossdc.federation.session.RoundSession.aggregate_fragment`). Since a merge happens at its step whenever
 its update arrives, this gives the weights a deployed streaming run gives.
+A gossip strategy (``loop = "gossip"``) runs with :meth:`InProcessFederation.run_round` too: each datacenter is a
+:class:`~crossdc.clients.gossip_replica.GossipReplica`; a round is every replica's τ inner steps, then the messages of
+the round's graph handed from sender to receiver (each sized as the link carries it, by link), then every mix and
+outer step. There is no server step: the federation's weights are the plain average of the replicas, and
+:meth:`InProcessFederation.replica_weights` gives each replica.
 What it leaves out: the Flower transport and its polling, worker groups (W = 1), deadlines and the run log.
 Bytes are counted as a run counts them: `bytes_down` is the serialised size of each datacenter's train message,
 `bytes_up` that of its reply (:func:`~crossdc.protocol.payload_bytes`).
@@ -33,6 +38,7 @@ from typing import Any
 import numpy as np
 
 from crossdc import protocol
+from crossdc.clients.gossip_replica import GossipReplica
 from crossdc.clients.local_round import run_local_round
 from crossdc.clients.local_training import LocalTrainer
 from crossdc.clients.state_store import DatacenterStateStore
@@ -52,6 +58,8 @@ from crossdc.federation.session import RoundSession
 from crossdc.protocol import TrainRequest, payload_bytes, reply_content
 from crossdc.strategies.base import ClientUpdate, Strategy
 from crossdc.strategies.fragments import SEND
+from crossdc.strategies.gossip import Gossip
+from crossdc.strategies.mixing import consensus_distances
 from crossdc.strategies.streaming_diloco import StreamingDiLoCo
 from crossdc.workloads import Workload
 
@@ -73,6 +81,13 @@ class RoundResult:
     compute_s: dict[str, float] = field(default_factory=dict)
     #: a streaming round: the bytes of each exchange's largest reply (the peak a fragment sync sends), by exchange
     exchange_peak_bytes: dict[int, int] = field(default_factory=dict)
+    #: a gossip round: the bytes each datacenter-to-datacenter link carried, by (sender, receiver)
+    link_bytes: dict[tuple[str, str], int] = field(default_factory=dict)
+    #: a gossip round: each replica's distance to the replicas' average ‖x_i − x̄‖ after the round, and their mean
+    consensus_distance: dict[str, float] = field(default_factory=dict)
+    mean_consensus_distance: float | None = None
+    #: a gossip round: the neighbours each datacenter mixed without, and why
+    missing: dict[str, dict[str, str]] = field(default_factory=dict)
 
 
 class InProcessFederation:
@@ -100,6 +115,8 @@ class InProcessFederation:
         self.replicas: dict[str, StreamingReplica] | None = None
         self.exchange_results: dict[int, dict[str, np.ndarray]] = {}
         self.events_done: set[tuple[str, int]] = set()
+        #: a gossip run's replicas (built at its first round)
+        self.gossip_replicas: dict[str, GossipReplica] | None = None
 
     @classmethod
     def from_config(cls, config: ExperimentConfig, state_root: str | Path, run_id: str = "inprocess") -> InProcessFederation:
@@ -134,13 +151,19 @@ class InProcessFederation:
     def weights(self) -> dict[str, np.ndarray]:
         return self.session.weights
 
-    def run_round(self, participants: Sequence[str] | None = None) -> RoundResult:
+    def run_round(self, participants: Sequence[str] | None = None, *,
+                  cut: Sequence[tuple[str, str]] = ()) -> RoundResult:
         """One round: every datacenter in `participants` (default: all) trains; the strategy aggregates the accepted.
-        A streaming strategy's round: its H inner steps and P exchanges (every datacenter takes part)."""
+        A streaming strategy's round: its H inner steps and P exchanges (every datacenter takes part). A gossip
+        round: every replica trains and mixes; the links between the pairs in `cut` carry nothing either way."""
+        if self.strategy.loop in ("streaming", "gossip") and participants is not None:
+            raise ValueError(f"a {self.strategy.loop} round has every datacenter take part (no participants list)")
+        if cut and self.strategy.loop != "gossip":
+            raise ValueError("only a gossip round takes cut links")
         if self.strategy.loop == "streaming":
-            if participants is not None:
-                raise ValueError("a streaming round has every datacenter take part (no participants list)")
             return self._run_streaming_round()
+        if self.strategy.loop == "gossip":
+            return self._run_gossip_round({frozenset(pair) for pair in cut})
         self.server_round += 1
         session, server_round = self.session, self.server_round
         tau = self.strategy.tau(server_round)
@@ -226,6 +249,59 @@ class InProcessFederation:
         result.updates.extend(accepted)
         mean = session.aggregate_fragment(names, accepted)[0] if accepted else None  # none: the fragment stays
         self.exchange_results[exchange] = session.exchange_result(exchange, names, mean)
+
+    def _run_gossip_round(self, cut: set[frozenset[str]]) -> RoundResult:
+        strategy = self.strategy
+        if not isinstance(strategy, Gossip):
+            raise TypeError(f"strategy '{strategy.name}' declares the gossip loop but is no Gossip")
+        names = self.datacenters
+        if self.gossip_replicas is None:  # each datacenter's own copy of the strategy (the same maths everywhere)
+            self.gossip_replicas = {dc: GossipReplica(copy.deepcopy(strategy), self.trainers[dc], i, self.weights,
+                                                      self.seeds[dc]) for i, dc in enumerate(names)}
+        replicas = self.gossip_replicas
+        self.server_round += 1
+        tau = strategy.tau(self.server_round)
+        result = RoundResult(self.server_round, tau)
+        for dc, replica in replicas.items():
+            result.compute_s[dc] = replica.train(tau).compute_s
+        graph = strategy.round_graph(self.server_round)
+        inbox: dict[str, list[Any]] = {dc: [] for dc in names}
+        for receiver, receiver_dc in enumerate(names):
+            for sender in graph.senders_to(receiver):
+                sender_dc = names[sender]
+                if frozenset((sender_dc, receiver_dc)) in cut:
+                    continue
+                message = replicas[sender_dc].message_for(replicas[receiver_dc].held_version(sender))
+                inbox[receiver_dc].append(message)
+                result.link_bytes[(sender_dc, receiver_dc)] = message.nbytes
+                result.bytes_up[sender_dc] = result.bytes_up.get(sender_dc, 0) + message.nbytes
+                result.bytes_down[receiver_dc] = result.bytes_down.get(receiver_dc, 0) + message.nbytes
+        for dc, replica in replicas.items():
+            mixed = replica.mix_in(inbox[dc])
+            if mixed.missing:
+                result.missing[dc] = {names[j]: reason for j, reason in mixed.missing.items()}
+        distances, mean_distance, average = consensus_distances([replicas[dc].outer for dc in names])
+        result.consensus_distance = dict(zip(names, distances, strict=True))
+        result.mean_consensus_distance = mean_distance
+        self.session.weights = average
+        return result
+
+    def replica_weights(self) -> dict[str, dict[str, np.ndarray]]:
+        """A gossip run's replicas (each datacenter's outer weights), by datacenter."""
+        if self.gossip_replicas is None:
+            raise ValueError("no gossip round has run")
+        return {dc: dict(replica.outer) for dc, replica in self.gossip_replicas.items()}
+
+    def evaluate_weights(self, weights: Mapping[str, np.ndarray]) -> tuple[float, float]:
+        """(validation loss, accuracy) of `weights` on the workload's one validation set (the federation's own weights
+        stay as they are)."""
+        kept = self.session.weights
+        try:
+            self.session.weights = dict(weights)
+            loss, accuracy, _ = self.session.evaluate()
+        finally:
+            self.session.weights = kept
+        return loss, accuracy
 
     def evaluate(self) -> tuple[float, float]:
         """(validation loss, accuracy) of the current global weights on the workload's one validation set."""

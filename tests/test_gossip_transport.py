@@ -1,0 +1,104 @@
+"""The gossip transport on loopback: pair exchanges over gloo, a missing neighbour found by the timeout, a rejoin."""
+
+from __future__ import annotations
+
+import copy
+import functools
+import threading
+import time
+from pathlib import Path
+
+import numpy as np
+from test_gossip import LR, federation
+
+from crossdc.clients.gossip_agent import GossipAgent
+from crossdc.clients.gossip_replica import DELTA, FULL, GossipMessage, GossipReplica
+from crossdc.clients.gossip_transport import Exchanged, GossipTransport, exchange_all
+from crossdc.experiment.processes import free_port
+from crossdc.strategies.base import RunInfo
+from crossdc.strategies.gossip import Gossip
+
+TIMEOUT_S = 2.0
+
+
+def message(sender: int, server_round: int, size: int, holds: int) -> GossipMessage:
+    """A recognisable message: its payload encodes the sender, the round and what the receiver said it holds."""
+    payload = np.full(size, (sender * 31 + server_round * 7 + holds) % 251, np.uint8)
+    kind = DELTA if holds == server_round - 1 else FULL
+    return GossipMessage(sender, server_round, kind, server_round, holds if kind == DELTA else None, payload)
+
+
+def ring_round(transports: dict[int, GossipTransport], server_round: int, present: set[int]) -> dict[int, dict[int, Exchanged]]:
+    """Every present datacenter of a ring of 3 exchanges with both neighbours, all at once."""
+    results: dict[int, dict[int, Exchanged]] = {}
+
+    def run(i: int) -> None:
+        peers = [(i + 1) % 3, (i - 1) % 3]
+        results[i] = exchange_all(transports[i], server_round, peers,
+                                  lambda peer, holds: message(i, server_round, 1000 + 100 * i, holds),
+                                  lambda peer: server_round - 1)
+    threads = [threading.Thread(target=run, args=(i,)) for i in present]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join(timeout=30)
+    return results
+
+
+def test_pairs_exchange_whole_messages_a_missing_neighbour_times_out_and_rejoins() -> None:
+    ports = [free_port() for _ in range(3)]
+    transports = {i: GossipTransport(i, {j: ("127.0.0.1", ports[j]) for j in range(3)}, TIMEOUT_S) for i in range(3)}
+    try:
+        first = ring_round(transports, 1, {0, 1, 2})
+        for i in range(3):
+            for peer, outcome in first[i].items():
+                assert outcome.error is None, outcome.error
+                expected = message(peer, 1, 1000 + 100 * peer, 0)  # what the peer sent, knowing we hold version 0
+                assert outcome.message is not None and outcome.message.kind == DELTA and outcome.message.base == 0
+                assert np.array_equal(outcome.message.payload, expected.payload)
+                assert outcome.bytes_received == expected.nbytes + 16 + 40
+                assert outcome.bytes_sent == 1000 + 100 * i + 16 + 40
+        started = time.perf_counter()
+        second = ring_round(transports, 2, {0, 1})  # datacenter 2 is away this round
+        waited = time.perf_counter() - started
+        assert second[0][1].message is not None and second[1][0].message is not None
+        assert second[0][2].message is None and second[0][2].error and second[1][2].message is None
+        assert waited < 5 * TIMEOUT_S  # nobody waits forever
+        third = ring_round(transports, 3, {0, 1, 2})  # back: nothing to rebuild, the next round meets afresh
+        assert all(o.message is not None for outcomes in third.values() for o in outcomes.values())
+    finally:
+        for transport in transports.values():
+            transport.close()
+
+
+def test_agents_over_the_transport_end_where_the_in_process_driver_does(tmp_path: Path) -> None:
+    """Three datacenters on a ring, each an agent in its own thread exchanging over loopback gloo pairs: the same
+    messages as the in-process driver hands over, so the same replicas, and a report per round with every link."""
+    dcs = ["a", "b", "c"]
+    codecs = ("topk:0.2", "int8")
+    info = RunInfo(tuple(dcs), "adamw", LR, seed=5, codecs=codecs)
+    reference = federation(Gossip(tau=3, params={"topology": "ring"}, run=info), dcs, tmp_path / "reference", codecs)
+    for _ in range(3):
+        reference.run_round()
+    built = federation(Gossip(tau=3, params={"topology": "ring"}, run=info), dcs, tmp_path / "agents", codecs)
+    ports = [free_port() for _ in dcs]
+    transports = {i: GossipTransport(i, {j: ("127.0.0.1", ports[j]) for j in range(3)}, 20.0) for i in range(3)}
+    try:
+        agents = {}
+        for i, dc in enumerate(dcs):
+            replica = GossipReplica(copy.deepcopy(built.strategy), built.trainers[dc], i, built.weights, built.seeds[dc])
+            transport = transports[i]
+            agents[dc] = GossipAgent(replica, 3, functools.partial(exchange_all, transport),
+                                     observe=lambda server_round: server_round == 2)
+        finals = {dc: agent.final(120) for dc, agent in agents.items()}
+        for dc in dcs:
+            for name, value in reference.replica_weights()[dc].items():
+                assert np.array_equal(finals[dc][name], value), (dc, name)
+        reports, snapshots, finished = agents["a"].reports(acknowledged=1, wait_s=0)
+        assert finished and [r.server_round for r in reports] == [2, 3] and list(snapshots) == [2]
+        assert set(reports[0].links) == {1, 2} and all(link["used"] and link["error"] is None
+                                                       for link in reports[0].links.values())
+        assert agents["a"].reports(acknowledged=3, wait_s=0)[0] == []  # acknowledged: forgotten
+    finally:
+        for transport in transports.values():
+            transport.close()
