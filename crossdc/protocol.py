@@ -132,8 +132,29 @@ EXCHANGE = "crossdc-exchange"
 #: previous exchange's; the first message of a resumed attempt, every one the datacenter still needs
 RESULTS_OF = "crossdc-results-of"
 
+# ---------------------------------------------------------------- gossip (coordinator → datacenter: control only)
+#: config entry of a gossip run's message: what it asks (GOSSIP_START, GOSSIP_REPORT or GOSSIP_FINAL)
+GOSSIP = "crossdc-gossip"
+GOSSIP_START, GOSSIP_REPORT, GOSSIP_FINAL = "start", "report", "final"
+GOSSIP_ACTIONS = (GOSSIP_START, GOSSIP_REPORT, GOSSIP_FINAL)
+#: config entry: the last round of this datacenter the coordinator has logged (the trainer forgets up to it)
+GOSSIP_ACKNOWLEDGED = "crossdc-gossip-acknowledged"
+#: config entry: how long the trainer may wait for a new round before it answers a report
+GOSSIP_WAIT_S = "crossdc-gossip-wait-s"
+#: reply config entries: the rounds' reports (JSON list of {round, compute_s, idle_s, train_loss, num_examples,
+#: links}), whether the replica's last round is done, and the rounds whose snapshots the reply carries
+GOSSIP_REPORTS = "gossip-reports"
+GOSSIP_FINISHED = "gossip-finished"
+GOSSIP_SNAPSHOTS = "gossip-snapshots"
+
+
+def snapshot_key(server_round: int) -> str:
+    """The tensor group of a gossip reply carrying the replica's outer weights after round `server_round`."""
+    return f"snapshot-{server_round}"
+
 
 #: the trainer channel's operations
+GOSSIP_OP = "gossip"
 STREAM_OP = "stream"
 TRAIN_OP = "train"
 PING_OP = "ping"
@@ -354,6 +375,94 @@ def train_config(*, server_round: int, tau: int, run_id: str, run_dir: str, data
         if value is not None:
             cfg[key] = value
     return cfg
+
+
+@dataclass(frozen=True)
+class GossipRequest:
+    """What the ClientApp hands the persistent trainer for one message of a gossip run: start the replica's agent
+    (``start``), hand over the reports and snapshots of rounds after `acknowledged` (``report``, waiting up to
+    `wait_s` for one), or the replica's final weights (``final``)."""
+
+    run_id: str
+    action: str
+    acknowledged: int = 0
+    wait_s: float = 0.0
+    attempt: int = 1
+
+    def __post_init__(self) -> None:
+        if self.action not in GOSSIP_ACTIONS:
+            raise ProtocolError(f"unknown gossip action {self.action!r}; known: {', '.join(GOSSIP_ACTIONS)}")
+
+    @classmethod
+    def from_message(cls, content: RecordDict) -> GossipRequest:
+        """The request of a gossip message's content (ProtocolError naming what is missing or malformed)."""
+        config = content.config_records[CONFIG_KEY]
+        try:
+            return cls(run_id=str(config[RUN_ID]), action=str(config[GOSSIP]),
+                       acknowledged=config_int(config, GOSSIP_ACKNOWLEDGED) if GOSSIP_ACKNOWLEDGED in config else 0,
+                       wait_s=float(config.get(GOSSIP_WAIT_S, 0.0)),  # type: ignore[arg-type]
+                       attempt=config_int(config, ATTEMPT) if ATTEMPT in config else 1)
+        except KeyError as err:
+            raise ProtocolError(f"gossip message: missing config entry {err.args[0]!r}") from None
+
+    def to_dict(self) -> dict[str, Any]:
+        """The request as sent over the trainer's local channel (``{"op": "gossip", ...}``)."""
+        return {"op": GOSSIP_OP, "run_id": self.run_id, "action": self.action, "acknowledged": self.acknowledged,
+                "wait_s": self.wait_s, "attempt": self.attempt}
+
+    @classmethod
+    def from_dict(cls, request: Mapping[str, Any]) -> GossipRequest:
+        """The request :meth:`to_dict` made; ProtocolError naming what is missing or malformed."""
+        try:
+            return cls(run_id=str(request["run_id"]), action=str(request["action"]),
+                       acknowledged=int(request.get("acknowledged", 0)), wait_s=float(request.get("wait_s", 0.0)),
+                       attempt=int(request.get("attempt", 1)))
+        except KeyError as err:
+            raise ProtocolError(f"a gossip request needs {err.args[0]!r}") from None
+        except (TypeError, ValueError) as err:
+            raise ProtocolError(f"malformed gossip request: {err}") from None
+
+
+def gossip_config(*, action: str, run_id: str, run_dir: str, datacenter: str, acknowledged: int = 0,
+                  wait_s: float = 0.0, attempt: int | None = None) -> dict[str, Any]:
+    """The config entries of a gossip message."""
+    cfg: dict[str, Any] = {GOSSIP: action, RUN_ID: run_id, RUN_DIR: run_dir, DATACENTER: datacenter,
+                           GOSSIP_ACKNOWLEDGED: acknowledged, GOSSIP_WAIT_S: float(wait_s)}
+    if attempt is not None:
+        cfg[ATTEMPT] = attempt
+    return cfg
+
+
+def gossip_reply_content(answer: Mapping[str, Any]) -> RecordDict:
+    """A gossip reply's content from the trainer's answer (``reports``: list of dicts, ``finished``, ``snapshots``:
+    {round: weights}, ``final``: weights or None, ``metrics``)."""
+    snapshots = {int(r): w for r, w in (answer.get("snapshots") or {}).items()}
+    records: dict[str, Any] = {}
+    for server_round, weights in snapshots.items():
+        records.update(encode_tensors(weights, snapshot_key(server_round)))
+    if answer.get("final") is not None:
+        records.update(encode_tensors(answer["final"]))
+    records[CONFIG_KEY] = ConfigRecord({GOSSIP_REPORTS: json.dumps(answer.get("reports") or []),
+                                        GOSSIP_FINISHED: bool(answer.get("finished")),
+                                        GOSSIP_SNAPSHOTS: sorted(snapshots)})
+    return RecordDict({**records, METRICS_KEY: MetricRecord(dict(answer.get("metrics") or {}))})
+
+
+def decode_gossip_reply(content: RecordDict) -> tuple[list[dict[str, Any]], dict[int, dict[str, np.ndarray]],
+                                                      dict[str, np.ndarray] | None, bool]:
+    """(reports, snapshots by round, final weights or None, finished) of a gossip reply; PayloadError if malformed."""
+    try:
+        config = content.config_records[CONFIG_KEY]
+        reports = json.loads(str(config[GOSSIP_REPORTS]))
+        rounds = [int(r) for r in config.get(GOSSIP_SNAPSHOTS, [])]  # type: ignore[union-attr]
+        finished = bool(config[GOSSIP_FINISHED])
+    except (KeyError, ValueError, TypeError) as err:
+        raise PayloadError(f"a gossip reply without a readable {GOSSIP_REPORTS!r}: {err}") from None
+    if not isinstance(reports, list):
+        raise PayloadError(f"{GOSSIP_REPORTS!r} must be a JSON list")
+    snapshots = {r: decode_tensors(content, snapshot_key(r)) for r in rounds}
+    final = decode_tensors(content) if has_tensors(content, ARRAYS_KEY) else None
+    return reports, snapshots, final, finished
 
 
 class PayloadError(ValueError):

@@ -50,8 +50,9 @@ LONG_ROUNDS, LONG_DCS = 23, ("dc-a", "dc-b", "dc-c")
 ROUND_FIELDS = {"round", "tau", "val_loss", "val_accuracy", "bytes_up", "bytes_down", "bytes_up_raw", "wall_s"}
 DC_ROUND_FIELDS = {"round", "datacenter", "status", "reason", "bytes_up", "bytes_down", "bytes_up_raw", "compute_s",
                    "comm_s", "overhead_s", "idle_s", "train_loss", "num_examples", "drift_l2", "update_cosine", "staleness",
-                   "round_s", "comm_source", "link_bytes_up", "link_bytes_down"}
+                   "round_s", "comm_source", "link_bytes_up", "link_bytes_down", "consensus_distance"}
 TIMELINE_FIELDS = {"round", "datacenter", "kind", "start_s", "end_s", "fragment", "exchange"}
+LINK_FIELDS = {"round", "src", "dst", "bytes", "in_flight_s", "error"}
 
 
 # ---------------------------------------------------------------- fixtures
@@ -144,6 +145,13 @@ def write_runs(db_url: str) -> dict[str, str]:
                 for i, dc in enumerate(LONG_DCS)
                 for kind, start, end, fragment in (("compute", 0.0, 1.0 + i * 0.25, None), ("up", 1.0 + i * 0.25, 1.75, i),
                                                    ("down", 1.75, 2.0, i))])
+        # the long run as if it gossiped: a ring of its three datacenters, one failed exchange in round 2
+        for r in (1, 2):
+            for i, src in enumerate(LONG_DCS):
+                for dst in (LONG_DCS[(i + 1) % 3], LONG_DCS[(i - 1) % 3]):
+                    failed = r == 2 and {src, dst} == {"dc-a", "dc-b"}
+                    log.log_link_round(run_id=ids["long"], round=r, src=src, dst=dst, bytes=56 if failed else 1000,
+                                       in_flight_s=1.5 if failed else 0.25, error="TimeoutError: timed out" if failed else None)
         for seq in range(13):
             log.log_async_update(run_id=ids["long"], seq=seq, datacenter=LONG_DCS[seq % 3], base_version=seq,
                                  applied_version=seq + 1, staleness=seq % 4, scale=1.0 / (1 + seq % 4), status="applied",
@@ -292,7 +300,8 @@ def test_openapi_schema_and_docs(served: Served) -> None:
     schema = strict_json(served.get("/openapi.json"))
     for path in ("/api/health", "/api/runs", "/api/runs/{run_id}", "/api/runs/{run_id}/rounds",
                  "/api/runs/{run_id}/datacenter-rounds", "/api/runs/{run_id}/events", "/api/runs/{run_id}/async-updates",
-                 "/api/runs/{run_id}/timeline", "/api/datacenters", "/api/strategies", "/metrics"):
+                 "/api/runs/{run_id}/timeline", "/api/runs/{run_id}/links", "/api/datacenters", "/api/strategies",
+                 "/metrics"):
         assert path in schema["paths"], path
     row = schema["components"]["schemas"]["DatacenterRoundRow"]["properties"]
     assert DC_ROUND_FIELDS <= set(row)
@@ -434,10 +443,22 @@ def test_non_finite_numbers_are_null(served: Served) -> None:
     assert (last["val_loss"], last["val_accuracy"]) == (None, None)
 
 
+def test_links_are_each_direction_of_each_exchange_by_round(served: Served) -> None:
+    links = strict_json(served.get(f"/api/runs/{served.long_run}/links"))
+    assert links["run_id"] == served.long_run and len(links["items"]) == 2 * 3 * 2
+    assert all(set(item) == LINK_FIELDS for item in links["items"])
+    assert [(r["round"], r["src"], r["dst"]) for r in links["items"]] == sorted((r["round"], r["src"], r["dst"])
+                                                                                 for r in links["items"])
+    failed = [(r["round"], r["src"], r["dst"]) for r in links["items"] if r["error"]]
+    assert failed == [(2, "dc-a", "dc-b"), (2, "dc-b", "dc-a")]
+    assert strict_json(served.get(f"/api/runs/{served.real_run['run_id']}/links"))["items"] == []  # not a gossip run
+
+
 # ------------------------------------------------------------------ errors
 
 
-@pytest.mark.parametrize("suffix", ["", "/rounds", "/datacenter-rounds", "/events", "/async-updates", "/timeline"])
+@pytest.mark.parametrize("suffix", ["", "/rounds", "/datacenter-rounds", "/events", "/async-updates", "/timeline",
+                                    "/links"])
 def test_unknown_run_is_404_json(served: Served, suffix: str) -> None:
     for run_id in ("nosuchrun", "x" * 300, "a%00b", "%F0%9F%98%80"):
         response = httpx.get(f"{served.base}/api/runs/{run_id}{suffix}", timeout=30)

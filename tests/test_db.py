@@ -47,13 +47,13 @@ EXPECTED_COLUMNS: dict[str, set[str]] = {
     },
     "rounds": {
         "id", "run_id", "round", "tau", "val_loss", "val_accuracy", "bytes_up", "bytes_down",
-        "bytes_up_raw", "wall_s", "eval_s",
+        "bytes_up_raw", "wall_s", "eval_s", "consensus_distance",
     },
     "datacenter_rounds": {
         "id", "run_id", "round", "datacenter", "status", "reason", "bytes_up", "bytes_down",
         "bytes_up_raw", "compute_s", "comm_s", "overhead_s", "idle_s", "round_s", "comm_source",
         "link_bytes_up", "link_bytes_down",
-        "train_loss", "num_examples", "drift_l2", "update_cosine", "staleness",
+        "train_loss", "num_examples", "drift_l2", "update_cosine", "staleness", "consensus_distance",
     },
     "async_updates": {
         "id", "run_id", "seq", "datacenter", "base_version", "applied_version", "staleness",
@@ -66,6 +66,7 @@ EXPECTED_COLUMNS: dict[str, set[str]] = {
     },
     "checkpoints": {"id", "run_id", "round", "uri", "created_at"},
     "timeline_spans": {"id", "run_id", "round", "datacenter", "kind", "start_s", "end_s", "fragment", "exchange"},
+    "link_rounds": {"id", "run_id", "round", "src", "dst", "bytes", "in_flight_s", "error"},
     "api_tokens": {"id", "name", "role", "token_hash", "created_at", "revoked_at", "last_used_at"},
     "audit_log": {"id", "at", "action", "outcome", "actor", "target", "client", "detail"},
 }
@@ -220,19 +221,44 @@ def test_revision_0008_adds_and_drops_timeline_spans(fresh_url: str) -> None:
     engine = make_engine(fresh_url)
     try:
         assert "timeline_spans" not in inspect(engine).get_table_names()
-        upgrade(fresh_url)
-        assert current_revision(fresh_url) == "0008" == head_revisions()[0]
+        upgrade(fresh_url, "0008")
+        assert current_revision(fresh_url) == "0008"
         insp = inspect(engine)
         assert {c["name"] for c in insp.get_columns("timeline_spans")} == EXPECTED_COLUMNS["timeline_spans"]
         indexes = {ix["name"]: ix["column_names"] for ix in insp.get_indexes("timeline_spans")}
         assert indexes["ix_timeline_spans_run_id_datacenter_start_s"] == ["run_id", "datacenter", "start_s"]
         nullable = {c["name"]: c["nullable"] for c in insp.get_columns("timeline_spans")}
         assert [c for c, n in nullable.items() if n] == ["fragment", "exchange"]
+        upgrade(fresh_url)
         _check_schema(fresh_url)
         downgrade(fresh_url, "0007")
         insp = inspect(engine)
         assert current_revision(fresh_url) == "0007"
         assert "timeline_spans" not in insp.get_table_names() and "fragment_exchanges" in insp.get_table_names()
+        upgrade(fresh_url)
+        _check_schema(fresh_url)
+    finally:
+        engine.dispose()
+
+
+@pytest.mark.timeout(60)
+def test_revision_0009_adds_and_drops_gossip_columns_and_link_rounds(fresh_url: str) -> None:
+    upgrade(fresh_url, "0008")
+    engine = make_engine(fresh_url)
+    try:
+        assert "link_rounds" not in inspect(engine).get_table_names()
+        upgrade(fresh_url)
+        assert current_revision(fresh_url) == "0009" == head_revisions()[0]
+        insp = inspect(engine)
+        assert {c["name"] for c in insp.get_columns("link_rounds")} == EXPECTED_COLUMNS["link_rounds"]
+        assert ["run_id", "round", "src", "dst"] in [u["column_names"] for u in insp.get_unique_constraints("link_rounds")]
+        for table in ("rounds", "datacenter_rounds"):
+            assert "consensus_distance" in {c["name"] for c in insp.get_columns(table)}
+        _check_schema(fresh_url)
+        downgrade(fresh_url, "0008")
+        insp = inspect(engine)
+        assert "link_rounds" not in insp.get_table_names()
+        assert "consensus_distance" not in {c["name"] for c in insp.get_columns("rounds")}
         upgrade(fresh_url)
         _check_schema(fresh_url)
     finally:

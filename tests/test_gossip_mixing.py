@@ -15,11 +15,13 @@ from crossdc.strategies.mixing import (
     choco_mix,
     consensus_distances,
     contraction,
+    count_sketch,
     exponential_period,
     mix,
     mixing_matrix,
     random_groups,
     round_graph,
+    sketched_distances,
 )
 
 
@@ -155,3 +157,14 @@ def test_choco_with_top_k_reaches_exact_consensus_and_keeps_the_average() -> Non
     _, distance, average = consensus_distances(states)
     assert distance < 1e-4 * first
     assert np.allclose(average["w"], start_mean, atol=1e-4)
+
+
+def test_the_count_sketch_is_linear_and_estimates_consensus_distances() -> None:
+    states = replicas(4, seed=3, size=20_000)
+    sketches = [count_sketch(s, seed=11) for s in states]
+    assert np.allclose(count_sketch({n: states[0][n] - states[1][n] for n in states[0]}, seed=11),
+                       sketches[0] - sketches[1], atol=1e-4)  # float32 differences, float64 sketches
+    exact, exact_mean, _ = consensus_distances(states)
+    estimated, estimated_mean = sketched_distances(sketches)
+    assert np.allclose(estimated, exact, rtol=0.15)  # within ~3 standard deviations of √(2/1024) ≈ 4.4 %
+    assert estimated_mean == pytest.approx(exact_mean, rel=0.1)

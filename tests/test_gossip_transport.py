@@ -17,6 +17,7 @@ from crossdc.clients.gossip_transport import Exchanged, GossipTransport, exchang
 from crossdc.experiment.processes import free_port
 from crossdc.strategies.base import RunInfo
 from crossdc.strategies.gossip import Gossip
+from crossdc.strategies.mixing import SKETCH_SIZE
 
 TIMEOUT_S = 2.0
 
@@ -64,8 +65,10 @@ def test_pairs_exchange_whole_messages_a_missing_neighbour_times_out_and_rejoins
         assert second[0][1].message is not None and second[1][0].message is not None
         assert second[0][2].message is None and second[0][2].error and second[1][2].message is None
         assert waited < 5 * TIMEOUT_S  # nobody waits forever
+        assert transports[0].suspect == {2} and transports[1].suspect == {2}  # the next meetings with 2 only probe
         third = ring_round(transports, 3, {0, 1, 2})  # back: nothing to rebuild, the next round meets afresh
         assert all(o.message is not None for outcomes in third.values() for o in outcomes.values())
+        assert not transports[0].suspect and not transports[1].suspect
     finally:
         for transport in transports.values():
             transport.close()
@@ -96,6 +99,7 @@ def test_agents_over_the_transport_end_where_the_in_process_driver_does(tmp_path
                 assert np.array_equal(finals[dc][name], value), (dc, name)
         reports, snapshots, finished = agents["a"].reports(acknowledged=1, wait_s=0)
         assert finished and [r.server_round for r in reports] == [2, 3] and list(snapshots) == [2]
+        assert all(len(r.sketch) == SKETCH_SIZE for r in reports)
         assert set(reports[0].links) == {1, 2} and all(link["used"] and link["error"] is None
                                                        for link in reports[0].links.values())
         assert agents["a"].reports(acknowledged=3, wait_s=0)[0] == []  # acknowledged: forgotten

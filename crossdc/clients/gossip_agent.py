@@ -3,9 +3,11 @@
 Promises: once started, the agent runs every remaining gossip round of the run — τ inner steps, this round's
 exchanges with its neighbours over the datacenter-to-datacenter transport (one thread per neighbour, each bounded by
 the strategy's ``exchange_timeout_s``), the mix and the outer step — without asking anyone; the coordinator only
-observes. After each round it files a **report** (compute and idle seconds, training loss, examples, and per
-neighbour the bytes each way, the seconds in flight and why nothing came when nothing did) and, on the rounds
-`observe(round)` names, a **snapshot** of its outer weights taken right after that round's mix; `save(round, state)`
+observes. After each round it files a **report** (compute and idle seconds, training loss, examples, per
+neighbour the bytes each way, the seconds in flight and why nothing came when nothing did, and a CountSketch of its
+outer weights right after the mix, :func:`crossdc.strategies.mixing.count_sketch`, from which the coordinator
+estimates the replicas' distances to their average) and, on the rounds `observe(round)` names, a **snapshot** of
+those weights; `save(round, state)`
 (if given) keeps the replica's state with the reports not yet acknowledged, so a restarted trainer goes on from there.
 :meth:`GossipAgent.reports` hands over what the coordinator has not acknowledged and forgets what it has: a coordinator
 away for a while catches up on everything when it comes back. A failure in the thread is reported to every later
@@ -24,6 +26,7 @@ import numpy as np
 
 from crossdc.clients.gossip_replica import GossipMessage, GossipReplica
 from crossdc.clients.gossip_transport import Exchanged
+from crossdc.strategies.mixing import count_sketch
 
 Arrays = Mapping[str, np.ndarray]
 #: exchange(round, peers, message_for(peer, holds), held_of(peer)) → what each peer exchange gave
@@ -44,16 +47,18 @@ class RoundReport:
     train_loss: float
     num_examples: int
     links: dict[int, dict[str, Any]] = field(default_factory=dict)
+    sketch: list[float] = field(default_factory=list)
 
     def to_dict(self) -> dict[str, Any]:
         return {"round": self.server_round, "compute_s": self.compute_s, "idle_s": self.idle_s,
                 "train_loss": self.train_loss, "num_examples": self.num_examples,
-                "links": {str(k): v for k, v in self.links.items()}}
+                "links": {str(k): v for k, v in self.links.items()}, "sketch": list(self.sketch)}
 
     @classmethod
     def from_dict(cls, data: Mapping[str, Any]) -> RoundReport:
         return cls(int(data["round"]), float(data["compute_s"]), float(data["idle_s"]), float(data["train_loss"]),
-                   int(data["num_examples"]), {int(k): dict(v) for k, v in data["links"].items()})
+                   int(data["num_examples"]), {int(k): dict(v) for k, v in data["links"].items()},
+                   [float(x) for x in data.get("sketch", [])])
 
 
 class GossipAgent:
@@ -64,6 +69,8 @@ class GossipAgent:
                  save: Callable[[int, dict[str, Any]], None] | None = None,
                  pending: list[RoundReport] | None = None, snapshots: dict[int, dict[str, np.ndarray]] | None = None) -> None:
         self.replica, self.rounds, self._exchange, self.observe, self.save = replica, rounds, exchange, observe, save
+        #: the CountSketch's seed: the run's, the same on every datacenter
+        self.sketch_seed = replica.strategy.run.seed if replica.strategy.run is not None else 0
         self._condition = threading.Condition()
         self._reports: list[RoundReport] = list(pending or [])
         self._snapshots: dict[int, dict[str, np.ndarray]] = dict(snapshots or {})
@@ -100,7 +107,7 @@ class GossipAgent:
                     peer: {"bytes_sent": e.bytes_sent, "bytes_received": e.bytes_received,
                            "in_flight_s": e.in_flight_s, "used": peer in mixed.used,
                            "error": e.error or mixed.missing.get(peer)}
-                    for peer, e in exchanged.items()})
+                    for peer, e in exchanged.items()}, [float(f"{x:.6g}") for x in count_sketch(replica.outer, self.sketch_seed)])
                 with self._condition:
                     self._reports.append(report)
                     if self.observe(server_round):

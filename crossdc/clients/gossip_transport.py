@@ -16,6 +16,12 @@ Promises:
 - both ends must be at the same round to meet (the round is in the prefix); a neighbour that does not come, dies or
   stalls within ``timeout_s`` makes :meth:`GossipTransport.exchange` return with the reason and no message: nobody
   waits forever, and a message is returned whole or not at all;
+- before meeting a neighbour, a datacenter checks that it can reach the neighbour's rendezvous store at all (a TCP
+  connection within ``probe_s``, over the same link: one round trip); if not (a cut link, a dead datacenter), the
+  exchange fails at once, so a cut costs each round a probe, not a whole timeout. If it can, the meeting gets the
+  whole ``timeout_s`` (the neighbour may simply be a little behind). Both ends of a cut link probe each other, so
+  they meet again the round the link is back; a datacenter whose last exchange with a neighbour failed counts it
+  as *suspect* until one works (reported, nothing else changes);
 - the bytes of an exchange are its headers and payloads as sent (what gloo puts on the wire, less TCP/IP framing),
   and its time in flight is measured from the group's creation to the last payload received.
 """
@@ -23,6 +29,7 @@ Promises:
 from __future__ import annotations
 
 import logging
+import socket
 import threading
 import time
 from collections.abc import Callable
@@ -41,6 +48,8 @@ _KINDS = {FULL: 0, DELTA: 1}
 _KIND_NAMES = {v: k for k, v in _KINDS.items()}
 #: the int64 words of a message header: present, kind, version, base (−1: none), payload length
 _HEADER_WORDS = 5
+#: how long a datacenter tries to reach a neighbour's store before it gives up on it for the round
+PROBE_S = 1.5
 
 
 @dataclass(frozen=True)
@@ -60,16 +69,26 @@ class GossipTransport:
     """This datacenter's end of the gossip exchanges (see the module docstring). `addresses` maps every datacenter's
     index to the (host, port) of its rendezvous store; this datacenter's own entry is where it hosts its store."""
 
-    def __init__(self, index: int, addresses: dict[int, tuple[str, int]], timeout_s: float) -> None:
+    def __init__(self, index: int, addresses: dict[int, tuple[str, int]], timeout_s: float,
+                 probe_s: float = PROBE_S) -> None:
         self.index, self.addresses, self.timeout = index, dict(addresses), timedelta(seconds=timeout_s)
+        self.probe = timedelta(seconds=min(probe_s, timeout_s))
+        #: the neighbours whose last exchange failed (see the module docstring)
+        self.suspect: set[int] = set()
         host, port = addresses[index]
         self.host = host
-        self.store = dist.TCPStore(host, port, None, True, timeout=self.timeout, wait_for_workers=False,
-                                   multi_tenant=True)
+        #: one gloo device for every exchange (bound to this datacenter's address): a device per group would leave
+        #: a listener and a loop thread behind each failed exchange
+        self.device = dist.ProcessGroupGloo.create_device(hostname=host)
+        self.store: dist.TCPStore | None = self._host_store()
+
+    def _host_store(self) -> dist.TCPStore:
+        host, port = self.addresses[self.index]
+        return dist.TCPStore(host, port, None, True, timeout=self.timeout, wait_for_workers=False)
 
     def close(self) -> None:
         """Stop hosting the rendezvous store."""
-        del self.store
+        self.store = None
 
     def exchange(self, server_round: int, peer: int, message_for: Callable[[int], GossipMessage | None],
                  held_of_peer: int) -> Exchanged:
@@ -79,14 +98,18 @@ class GossipTransport:
         started = time.perf_counter()
         sent = received = 0
         group = None
+        meeting = self.timeout
         try:
+            # can the link reach the neighbour at all? if not, give up on it for this round now
+            with socket.create_connection(self.addresses[peer], timeout=self.probe.total_seconds()):
+                pass
             low, high = sorted((self.index, peer))
             host, port = self.addresses[low]
-            store = (self.store if low == self.index else
-                     dist.TCPStore(host, port, None, False, timeout=self.timeout, wait_for_workers=False))
+            # a client of its own per exchange (also to this datacenter's store): its timeout is this meeting's
+            store = dist.TCPStore(host, port, None, False, timeout=meeting, wait_for_workers=False)
             options = dist.ProcessGroupGloo._Options()
-            options._devices = [dist.ProcessGroupGloo.create_device(hostname=self.host)]
-            options._timeout = self.timeout
+            options._devices = [self.device]
+            options._timeout = meeting
             rank = 0 if self.index == low else 1
             group = dist.ProcessGroupGloo(dist.PrefixStore(f"gossip/r{server_round}/{low}-{high}", store), rank, 2,
                                           options)
@@ -113,10 +136,12 @@ class GossipTransport:
                 base = int(their_header[3])
                 arrived = GossipMessage(peer, server_round, _KIND_NAMES[int(their_header[1])], int(their_header[2]),
                                         None if base < 0 else base, incoming.numpy())
+            self.suspect.discard(peer)
             return Exchanged(peer, arrived, sent, received, time.perf_counter() - met)
         except Exception as err:  # noqa: BLE001 - a failed exchange is a missing neighbour, never a crash
             reason = f"{type(err).__name__}: {str(err).splitlines()[0] if str(err) else ''}"[:300]
             log.info("round %d: exchange with datacenter %d failed: %s", server_round, peer, reason)
+            self.suspect.add(peer)
             return Exchanged(peer, None, sent, received, time.perf_counter() - started, reason)
         finally:
             del group

@@ -22,6 +22,7 @@ Protocol (one request per connection, pickled dicts):
 from __future__ import annotations
 
 import argparse
+import functools
 import logging
 import os
 import signal
@@ -37,6 +38,9 @@ import torch.distributed as dist
 
 from crossdc import protocol as proto
 from crossdc.clients.channel import serve_requests
+from crossdc.clients.gossip_agent import GossipAgent, GossipFailed, RoundReport
+from crossdc.clients.gossip_replica import GossipReplica
+from crossdc.clients.gossip_transport import GossipTransport, exchange_all
 from crossdc.clients.local_round import run_local_round
 from crossdc.clients.local_training import LocalTrainer
 from crossdc.clients.state_store import StateStoreError
@@ -45,17 +49,19 @@ from crossdc.clients.streaming_worker import StreamingFailed, StreamingWorker
 from crossdc.clients.worker import GROUP_TIMEOUT, GroupTrainer, backend, build_rank, use_device
 from crossdc.compression.downlink import DownlinkOutOfSync, receive
 from crossdc.compression.wire import CodecError
-from crossdc.experiment.builders import datacenter_seed
+from crossdc.experiment.builders import datacenter_seed, initial_model
 from crossdc.experiment.config import parse_config
 from crossdc.experiment.processes import die_with_parent
-from crossdc.experiment.rundir import RunDir
-from crossdc.protocol import ProtocolError, StreamRequest, TrainRequest
-from crossdc.strategies.base import StrategyError
+from crossdc.experiment.rundir import SETTINGS_GOSSIP_ADDRESSES, RunDir
+from crossdc.protocol import GossipRequest, ProtocolError, StreamRequest, TrainRequest
+from crossdc.strategies.base import Strategy, StrategyError
+from crossdc.strategies.gossip import Gossip
 from crossdc.strategies.streaming_diloco import StreamingDiLoCo
+from crossdc.workloads import model_weights
 
 log = logging.getLogger("crossdc.trainer")
 
-RequestT = TypeVar("RequestT", TrainRequest, StreamRequest)
+RequestT = TypeVar("RequestT", TrainRequest, StreamRequest, GossipRequest)
 
 class DatacenterTrainer:
     """Handles requests for one datacenter of one run, as rank 0 of its worker group.
@@ -75,6 +81,8 @@ class DatacenterTrainer:
         self.run_dir, self.run_id, self.datacenter, self.config = run_dir, settings["run_id"], datacenter, config
         #: a streaming run's replica, training in its own thread from the run's first message on
         self.streaming: StreamingWorker | None = None
+        #: a gossip run's agent, training and exchanging in its own thread from the run's start message on
+        self.gossip: GossipAgent | None = None
         self.world = next(dc.workers for dc in config.datacenters if dc.name == datacenter)
         self.lr = config.workload.lr
         self.codecs, self.codec_seed = config.compression.codecs, datacenter_seed(config, datacenter)
@@ -130,6 +138,9 @@ class DatacenterTrainer:
         self.workers = []
 
     def close(self) -> None:
+        if self.gossip is not None:
+            self.gossip.cancel(self.config.run.round_timeout_s)
+            self.gossip = None
         if self.streaming is not None:  # its thread may be handing the group a command: it stops first
             try:
                 self.streaming.cancel(self.config.run.round_timeout_s)
@@ -170,18 +181,77 @@ class DatacenterTrainer:
             return self._train(request)
         if op == proto.STREAM_OP:
             return self._stream(request)
+        if op == proto.GOSSIP_OP:
+            return self._gossip(request)
         return {"ok": False, "error": f"unknown trainer op {op!r}"}
+
+    def _gossip(self, message: dict[str, Any]) -> dict[str, Any]:
+        """One message of a gossip run: ``start`` starts the replica's agent (a trainer restarted mid-run goes on from
+        its saved state), ``report`` hands over what the coordinator has not acknowledged, ``final`` the replica's
+        final weights. The agent trains and exchanges on its own between messages."""
+        request, refusal = self._read(GossipRequest, message, (Gossip, "gossip"))
+        if refusal is not None:
+            return refusal
+        strategy = self.strategy
+        assert request is not None and isinstance(strategy, Gossip)
+        metrics = {proto.TRAINER_PID: os.getpid(), proto.WORKERS: self.world, proto.WORKER_PIDS: self.worker_pids()}
+        try:
+            if self.gossip is None:
+                self.gossip = self._start_gossip(strategy, resume_only=request.action != proto.GOSSIP_START)
+            if request.action == proto.GOSSIP_FINAL:
+                final = self.gossip.final(self.config.run.round_timeout_s)
+                return {"ok": True, "final": final, "finished": True, "metrics": metrics}
+            if request.action == proto.GOSSIP_START:
+                return {"ok": True, "reports": [], "finished": False, "metrics": metrics}
+            reports, snapshots, finished = self.gossip.reports(request.acknowledged, request.wait_s)
+        except (GossipFailed, TimeoutError, StrategyError, StateStoreError) as err:
+            return {"ok": False, "error": f"{self.datacenter}: {err}".splitlines()[0]}
+        return {"ok": True, "reports": [r.to_dict() for r in reports], "snapshots": snapshots, "finished": finished,
+                "metrics": metrics}
+
+    def _start_gossip(self, strategy: Gossip, resume_only: bool) -> GossipAgent:
+        """The replica's agent: on the run's initial weights, or on the state saved after the last round it did (a
+        restarted trainer). `resume_only`: refuse to start from scratch (a report for a run this trainer never
+        started)."""
+        names = self.config.datacenter_names
+        index = names.index(self.datacenter)
+        addresses = self.run_dir.settings().get(SETTINGS_GOSSIP_ADDRESSES)
+        if not addresses:
+            raise StrategyError("the run's settings give no gossip addresses (this launcher cannot run gossip)")
+        transport = GossipTransport(index, {names.index(dc): (str(host), int(port))
+                                            for dc, (host, port) in addresses.items()},
+                                    float(strategy.params["exchange_timeout_s"]))
+        weights = model_weights(initial_model(self.config, self.trainer.workload))  # every replica's start
+        replica = GossipReplica(strategy, self._replica_trainer(), index, weights, self.codec_seed)
+        stored = self.store.load(GOSSIP_STATE_KEY)
+        pending: list[RoundReport] = []
+        snapshots: dict[int, dict[str, Any]] = {}
+        if stored is not None:
+            replica.load_state_dict(stored[0]["replica"])
+            pending = [RoundReport.from_dict(r) for r in stored[0]["reports"]]
+            snapshots = {int(r): w for r, w in stored[0]["snapshots"].items()}
+            log.info("%s: gossip replica resumed after round %d", self.datacenter, replica.server_round)
+        elif resume_only:
+            transport.close()
+            raise StrategyError("no gossip replica here to report on (the run's start message has not come)")
+        rounds, every = self.config.run.rounds, self.config.run.eval_every
+
+        def save(server_round: int, state: dict[str, Any]) -> None:
+            self.store.save(GOSSIP_STATE_KEY, state, server_round)
+
+        return GossipAgent(replica, rounds, functools.partial(exchange_all, transport),
+                           observe=lambda r: r % every == 0 or r == rounds, save=save, pending=pending,
+                           snapshots=snapshots)
 
     def _stream(self, message: dict[str, Any]) -> dict[str, Any]:
         """One message of a streaming run: the first starts the replica's thread on the run's initial weights (the
         first of a resumed attempt: on the replica's state saved at the checkpoint it continues from); each hands
         over the server's results it carries and waits for the update of the exchange it asks for."""
-        request, refusal = self._read(StreamRequest, message)
+        request, refusal = self._read(StreamRequest, message, (StreamingDiLoCo, "stream"))
         if refusal is not None:
             return refusal
         strategy = self.strategy
-        if not isinstance(strategy, StreamingDiLoCo):
-            return {"ok": False, "error": f"{self.datacenter}: strategy '{strategy.name}' does not stream"}
+        assert isinstance(strategy, StreamingDiLoCo)
         timeout_s = self.config.run.round_timeout_s
         if request.attempt < self.attempt:
             return {"ok": False, "error": f"a message of attempt {request.attempt} at the run; attempt {self.attempt} "
@@ -254,14 +324,18 @@ class DatacenterTrainer:
     def _sent_answer(self, sent: SentUpdate) -> dict[str, Any]:
         return sent_answer(sent, self.codecs, self.codec_seed, self.store)
 
-    def _read(self, kind: type[RequestT], message: dict[str, Any]) -> tuple[RequestT, None] | tuple[None, dict[str, Any]]:
-        """The request `message` holds, or the refusal to answer (malformed, or for another run)."""
+    def _read(self, kind: type[RequestT], message: dict[str, Any], loop: tuple[type[Strategy], str] | None = None,
+              ) -> tuple[RequestT, None] | tuple[None, dict[str, Any]]:
+        """The request `message` holds, or the refusal to answer (malformed, for another run, or — with `loop` =
+        (strategy class, verb) — for a run whose strategy is not of that class)."""
         try:
             request = kind.from_dict(message)
         except ProtocolError as err:
             return None, {"ok": False, "error": f"{self.datacenter}: {err}"}
         if request.run_id != self.run_id:
             return None, {"ok": False, "error": f"trainer serves run {self.run_id}, request is for run {request.run_id}"}
+        if loop is not None and not isinstance(self.strategy, loop[0]):
+            return None, {"ok": False, "error": f"{self.datacenter}: strategy '{self.strategy.name}' does not {loop[1]}"}
         return request, None
 
     def _train(self, message: dict[str, Any]) -> dict[str, Any]:
@@ -316,6 +390,8 @@ class DatacenterTrainer:
 ATTEMPT_FILE = "attempt"
 #: the state-store key of a streaming replica's state, saved after each round's last send when the run checkpoints
 STREAMING_STATE_KEY = "streaming-replica"
+#: the state-store key of a gossip replica's state, with the reports the coordinator has not acknowledged
+GOSSIP_STATE_KEY = "gossip-replica"
 
 
 def serve(run_dir: RunDir, datacenter: str) -> None:

@@ -102,6 +102,8 @@ class RoundRow(BaseModel):
     bytes_up_raw: int
     wall_s: float | None
     eval_s: float | None
+    consensus_distance: float | None = Field(description="A gossip run: the replicas' mean distance to their average "
+                                                         "after the round (null otherwise).")
 
 
 class RoundsPage(BaseModel):
@@ -135,6 +137,8 @@ class DatacenterRoundRow(BaseModel):
     drift_l2: float | None
     update_cosine: float | None
     staleness: int | None
+    consensus_distance: float | None = Field(description="A gossip run: this replica's distance to the replicas' "
+                                                         "average after the round (null otherwise).")
 
 
 class DatacenterRoundsPage(BaseModel):
@@ -209,6 +213,22 @@ class TimelinePage(BaseModel):
     limit: int
     items: list[TimelineSpanRow]
     truncated: bool = Field(description="Older spans were left out: the run has more than limit of them.")
+
+
+class LinkRoundRow(BaseModel):
+    round: int
+    src: str = Field(description="The sending datacenter.")
+    dst: str = Field(description="The receiving datacenter.")
+    bytes: int = Field(description="Bytes src sent dst in the round's exchange (headers and payload).")
+    in_flight_s: float | None = Field(description="Seconds from the pair's meeting to the last byte received.")
+    error: str | None = Field(description="Why the exchange failed (null: it worked).")
+
+
+class LinksPage(BaseModel):
+    """A gossip run's datacenter-to-datacenter links, per round and direction."""
+
+    run_id: str
+    items: list[LinkRoundRow]
 
 
 class DatacenterInfo(BaseModel):
@@ -474,6 +494,13 @@ def get_timeline(
     items, truncated = queries.timeline_spans(conn, run_id, limit=limit, datacenter=datacenter)
     return _json_response({"run_id": run_id, "datacenter": datacenter, "limit": limit, "items": items,
                            "truncated": truncated})
+
+
+@router.get("/api/runs/{run_id}/links", response_model=LinksPage, responses={**_404, **_503}, tags=["runs"])
+def get_links(run_id: RunId, conn: Conn) -> Response:
+    """What each datacenter-to-datacenter link carried per round of a gossip run (empty for other runs)."""
+    _require_run(conn, run_id)
+    return _json_response({"run_id": run_id, "items": queries.link_rounds(conn, run_id)})
 
 
 @router.get("/api/datacenters", response_model=list[DatacenterInfo], responses=_503, tags=["datacenters"])

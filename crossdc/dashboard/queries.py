@@ -29,7 +29,7 @@ from sqlalchemy import ColumnElement, Connection, DateTime, Float, Table, and_, 
 
 from crossdc.dashboard.figures import comm_comp, utilisation
 from crossdc.db.models import ASYNC_UPDATES, DATACENTER_ROUNDS, DATACENTERS, EVENTS, ROUNDS, RUNS
-from crossdc.db.queries import as_utc, list_timeline_spans, utcnow
+from crossdc.db.queries import as_utc, list_link_rounds, list_timeline_spans, utcnow
 from crossdc.db.status import STALE_AFTER_MIN_S, STALE_AFTER_SLOWEST_ROUNDS, EffectiveStatus, effective_status, stale_after_s
 from crossdc.db.values import finite_or_none
 
@@ -44,17 +44,19 @@ RUN_ID_MAX_LENGTH = 64
 
 ROUND_FIELDS: tuple[str, ...] = (
     "round", "tau", "val_loss", "val_accuracy", "bytes_up", "bytes_down", "bytes_up_raw", "wall_s", "eval_s",
+    "consensus_distance",
 )
 DATACENTER_ROUND_FIELDS: tuple[str, ...] = (
     "round", "datacenter", "status", "reason", "bytes_up", "bytes_down", "bytes_up_raw",
     "compute_s", "comm_s", "overhead_s", "idle_s", "round_s", "comm_source", "link_bytes_up", "link_bytes_down",
-    "train_loss", "num_examples", "drift_l2", "update_cosine", "staleness",
+    "train_loss", "num_examples", "drift_l2", "update_cosine", "staleness", "consensus_distance",
 )
 EVENT_FIELDS: tuple[str, ...] = ("id", "at", "round", "kind", "datacenter", "detail")
 ASYNC_UPDATE_FIELDS: tuple[str, ...] = (
     "seq", "datacenter", "base_version", "applied_version", "staleness", "scale", "status", "bytes_up",
 )
 TIMELINE_SPAN_FIELDS: tuple[str, ...] = ("round", "datacenter", "kind", "start_s", "end_s", "fragment", "exchange")
+LINK_ROUND_FIELDS: tuple[str, ...] = ("round", "src", "dst", "bytes", "in_flight_s", "error")
 DATACENTER_FIELDS: tuple[str, ...] = (
     "name", "region", "gpus", "public_key", "status", "enrolled_at", "last_seen", "link_bandwidth_mbps", "link_rtt_ms",
     "node_id",
@@ -193,6 +195,11 @@ def async_updates_page(conn: Connection, run_id: str, *, since_seq: int | None, 
             .where(au.c.run_id == run_id, _after(au.c.seq, since_seq))
             .order_by(au.c.seq).limit(limit + 1))
     return _page(_rows(conn, au, ASYNC_UPDATE_FIELDS, stmt), "seq", since_seq, limit)
+
+
+def link_rounds(conn: Connection, run_id: str) -> list[dict[str, Any]]:
+    """A gossip run's ``link_rounds`` rows, by round, sender, receiver."""
+    return [_clean(r, LINK_ROUND_FIELDS) for r in list_link_rounds(conn, run_id)]
 
 
 def timeline_spans(conn: Connection, run_id: str, *, limit: int,

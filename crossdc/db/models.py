@@ -127,6 +127,8 @@ class Round(Base):
     bytes_up_raw: Mapped[int] = mapped_column(BigInteger, default=0)
     wall_s: Mapped[float | None] = mapped_column(Float)
     eval_s: Mapped[float | None] = mapped_column(Float)
+    # A gossip run: the replicas' mean distance to their average after the round (revision 0009).
+    consensus_distance: Mapped[float | None] = mapped_column(Float)
 
 
 class DatacenterRound(Base):
@@ -166,6 +168,8 @@ class DatacenterRound(Base):
     drift_l2: Mapped[float | None] = mapped_column(Float)
     update_cosine: Mapped[float | None] = mapped_column(Float)
     staleness: Mapped[int | None] = mapped_column(Integer)
+    # A gossip run: the replica's distance to the replicas' average after the round (revision 0009).
+    consensus_distance: Mapped[float | None] = mapped_column(Float, info={"minimum": 0})
 
 
 class AsyncUpdate(Base):
@@ -238,6 +242,24 @@ class TimelineSpan(Base):
     end_s: Mapped[float] = mapped_column(Float)
     fragment: Mapped[int | None] = mapped_column(Integer, info={"minimum": 0})
     exchange: Mapped[int | None] = mapped_column(Integer, info={"minimum": 1})
+
+
+class LinkRound(Base):
+    """What one datacenter-to-datacenter link carried in one round of a gossip run (revision 0009): the bytes
+    ``src`` sent ``dst`` (headers and payload as sent), the seconds from the exchange's meeting to its last byte,
+    and ``error`` when the exchange failed (the message did not arrive: the receiver mixed without it)."""
+
+    __tablename__ = "link_rounds"
+    __table_args__ = (UniqueConstraint("run_id", "round", "src", "dst"),)
+
+    id: Mapped[int] = mapped_column(_BigId, primary_key=True, autoincrement=True)
+    run_id: Mapped[str] = mapped_column(String(64), _run_fk(), index=True)
+    round: Mapped[int] = mapped_column(Integer)
+    src: Mapped[str] = mapped_column(String(128))
+    dst: Mapped[str] = mapped_column(String(128))
+    bytes: Mapped[int] = mapped_column(BigInteger, default=0)
+    in_flight_s: Mapped[float | None] = mapped_column(Float)
+    error: Mapped[str | None] = mapped_column(Text)
 
 
 class Event(Base):
@@ -358,5 +380,6 @@ CHECKPOINTS: Table = Checkpoint.__table__  # type: ignore[assignment]
 ASYNC_UPDATES: Table = AsyncUpdate.__table__  # type: ignore[assignment]
 FRAGMENT_EXCHANGES: Table = FragmentExchange.__table__  # type: ignore[assignment]
 TIMELINE_SPANS: Table = TimelineSpan.__table__  # type: ignore[assignment]
+LINK_ROUNDS: Table = LinkRound.__table__  # type: ignore[assignment]
 API_TOKENS: Table = ApiToken.__table__  # type: ignore[assignment]
 AUDIT_LOG: Table = AuditEntry.__table__  # type: ignore[assignment]

@@ -21,6 +21,7 @@ from crossdc.db.models import DATACENTER_ROUNDS as _DC_ROUNDS
 from crossdc.db.models import DATACENTERS as _DATACENTERS
 from crossdc.db.models import EVENTS as _EVENTS
 from crossdc.db.models import FRAGMENT_EXCHANGES as _FRAGMENTS
+from crossdc.db.models import LINK_ROUNDS as _LINKS
 from crossdc.db.models import ROUNDS as _ROUNDS
 from crossdc.db.models import RUNS as _RUNS
 from crossdc.db.models import TIMELINE_SPANS as _SPANS
@@ -94,6 +95,11 @@ def list_async_updates(bind: Bind, run_id: str) -> list[dict[str, Any]]:
 def list_fragment_exchanges(bind: Bind, run_id: str) -> list[dict[str, Any]]:
     """The run's ``fragment_exchanges`` rows (a streaming run), by exchange then datacenter."""
     return _rows(bind, _ordered(_FRAGMENTS, run_id, (_FRAGMENTS.c.exchange, _FRAGMENTS.c.datacenter)))
+
+
+def list_link_rounds(bind: Bind, run_id: str) -> list[dict[str, Any]]:
+    """The run's ``link_rounds`` rows (a gossip run), by round, then sender, then receiver."""
+    return _rows(bind, _ordered(_LINKS, run_id, (_LINKS.c.round, _LINKS.c.src, _LINKS.c.dst)))
 
 
 def list_timeline_spans(bind: Bind, run_id: str, *, datacenter: str | None = None,

@@ -61,6 +61,7 @@ from crossdc.db.models import DATACENTER_ROUNDS as _DC_ROUNDS
 from crossdc.db.models import DATACENTERS as _DATACENTERS
 from crossdc.db.models import EVENTS as _EVENTS
 from crossdc.db.models import FRAGMENT_EXCHANGES as _FRAGMENTS
+from crossdc.db.models import LINK_ROUNDS as _LINKS
 from crossdc.db.models import ROUNDS as _ROUNDS
 from crossdc.db.models import RUNS as _RUNS
 from crossdc.db.models import TIMELINE_SPANS as _SPANS
@@ -247,12 +248,16 @@ def _op_fragment_exchange(conn: Connection, v: dict[str, Any]) -> None:
     _upsert(conn, _FRAGMENTS, v, ("run_id", "exchange", "datacenter"))
 
 
+def _op_link_round(conn: Connection, v: dict[str, Any]) -> None:
+    _upsert(conn, _LINKS, v, ("run_id", "round", "src", "dst"))
+
+
 def _op_timeline_spans(conn: Connection, v: dict[str, Any]) -> None:
     conn.execute(insert(_SPANS), [{"run_id": v["run_id"], **span} for span in v["spans"]])
 
 
 def _op_forget_rounds_after(conn: Connection, v: dict[str, Any]) -> None:
-    for table in (_ROUNDS, _DC_ROUNDS, _CHECKPOINTS, _FRAGMENTS, _SPANS):
+    for table in (_ROUNDS, _DC_ROUNDS, _CHECKPOINTS, _FRAGMENTS, _SPANS, _LINKS):
         conn.execute(delete(table).where(table.c.run_id == v["run_id"], table.c.round > v["round"]))
 
 
@@ -449,8 +454,9 @@ class RunLog:
         bytes_up_raw: int,
         wall_s: float | None,
         eval_s: float | None = None,
+        consensus_distance: float | None = None,
     ) -> None:
-        """Record (or overwrite) one round of a run."""
+        """Record (or overwrite) one round of a run (`consensus_distance`: a gossip run's)."""
         self._put(
             "round",
             _op_round,
@@ -465,6 +471,7 @@ class RunLog:
                 "bytes_up_raw": _int("bytes_up_raw", bytes_up_raw, nullable=False, minimum=0),
                 "wall_s": _float("wall_s", wall_s),
                 "eval_s": _float("eval_s", eval_s),
+                "consensus_distance": _float("consensus_distance", consensus_distance),
             },
         )
 
@@ -541,6 +548,24 @@ class RunLog:
                 "compute_s": _float("compute_s", compute_s),
                 "idle_s": _float("idle_s", idle_s),
                 "round_s": _float("round_s", round_s),
+            },
+        )
+
+    def log_link_round(self, *, run_id: str, round: int, src: str, dst: str, bytes: int,  # noqa: A002
+                       in_flight_s: float | None = None, error: str | None = None) -> None:
+        """Record (or overwrite) what the link from datacenter `src` to `dst` carried in one round of a gossip run,
+        keyed by (run_id, round, src, dst)."""
+        self._put(
+            "link_round",
+            _op_link_round,
+            {
+                "run_id": _text("run_id", run_id),
+                "round": _int("round", round, nullable=False, minimum=1),
+                "src": _text("src", src),
+                "dst": _text("dst", dst),
+                "bytes": _int("bytes", bytes, nullable=False, minimum=0),
+                "in_flight_s": _float("in_flight_s", in_flight_s),
+                "error": _text("error", error, nullable=True),
             },
         )
 

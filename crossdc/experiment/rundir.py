@@ -17,6 +17,9 @@ from typing import Any
 
 #: the run's settings key saying how its WAN is emulated: "delay-line" (namespaces, packet level) or "relay"
 SETTINGS_LINK_EMULATOR = "link_emulator"
+#: the run's settings key giving, for a gossip run, each datacenter's [host, port] of its gossip rendezvous store
+#: (its own address: in a namespace, the datacenter's emulated address)
+SETTINGS_GOSSIP_ADDRESSES = "gossip_addresses"
 
 # sun_path holds 108 bytes including the terminating NUL
 _MAX_UNIX_PATH = 100
@@ -95,6 +98,14 @@ class RunDir:
 
     def settings(self) -> dict[str, Any]:
         return json.loads(self.settings_file.read_text())
+
+    def update_settings(self, changes: dict[str, Any]) -> None:
+        """Add or replace settings (the file replaced at once, mode 0600, so a reader never sees half of it)."""
+        settings = {**self.settings(), **changes}
+        fd, temporary = tempfile.mkstemp(dir=self.path, prefix=".run.json.")
+        with os.fdopen(fd, "w") as handle:
+            handle.write(json.dumps(settings, indent=1, sort_keys=True))
+        os.replace(temporary, self.settings_file)
 
     def authkey(self) -> bytes:
         return self.authkey_file.read_bytes()

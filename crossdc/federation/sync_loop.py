@@ -60,6 +60,10 @@ def run_federation(grid: Grid, run_dir: RunDir) -> dict[str, Any]:
             from crossdc.federation.streaming_loop import run_streaming
 
             summary = run_streaming(grid, run_dir, run_id, config, runlog)
+        elif loop == "gossip":  # decentralized: the datacenters train and mix on their own; this loop observes
+            from crossdc.federation.gossip_loop import run_gossip
+
+            summary = run_gossip(grid, run_dir, run_id, config, runlog)
         elif loop == "async":  # FedAsync, FedBuff: no rounds
             from crossdc.federation.async_loop import run_async
 

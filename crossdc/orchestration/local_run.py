@@ -55,7 +55,7 @@ from crossdc.experiment.processes import (
     venv_bin,
     wait_for_port,
 )
-from crossdc.experiment.rundir import SETTINGS_LINK_EMULATOR, RunDir
+from crossdc.experiment.rundir import SETTINGS_GOSSIP_ADDRESSES, SETTINGS_LINK_EMULATOR, RunDir
 from crossdc.federation.server_checkpoint import SETTINGS_ATTEMPT, SETTINGS_RESUME, SETTINGS_URL
 from crossdc.strategies.registry import strategy_class
 from crossdc.wan.link_relay import LinkRelay
@@ -65,6 +65,8 @@ log = logging.getLogger("crossdc.local_run")
 
 HOST = "127.0.0.1"
 TRAINER_START_TIMEOUT_S = 300.0
+#: the port of every datacenter's gossip rendezvous store in its namespace (each namespace has its own address)
+GOSSIP_PORT = 29700
 #: how often Flower's own run status is checked, and how long SQL may lag behind Flower's "finished"
 FLOWER_CHECK_S = 10.0
 FLOWER_END_GRACE_S = 5.0
@@ -192,13 +194,18 @@ class LocalRun:
         return EMULATOR_RELAY
 
     def start_network(self) -> None:
-        """Put every datacenter in its own namespace behind its emulated links (the delay line measures them)."""
-        if self.emulator != EMULATOR_NAMESPACES:
-            return
-        star = [(dc.name, dc.link) for dc in self.config.datacenters]
-        mesh = [(*link.between, link.link) for link in self.config.links]
-        self.network = EmulatedNetwork(star, mesh, self.run_dir.logs / "links", seed=self.config.run.seed,
-                                       log_path=self.run_dir.logs / "delay-line.log").start()
+        """Put every datacenter in its own namespace behind its emulated links (the delay line measures them); for a
+        gossip run, tell every datacenter where each one's gossip rendezvous is (its emulated address)."""
+        if self.emulator == EMULATOR_NAMESPACES:
+            star = [(dc.name, dc.link) for dc in self.config.datacenters]
+            mesh = [(*link.between, link.link) for link in self.config.links]
+            self.network = EmulatedNetwork(star, mesh, self.run_dir.logs / "links", seed=self.config.run.seed,
+                                           log_path=self.run_dir.logs / "delay-line.log").start()
+        if strategy_class(self.config.strategy.name).loop == "gossip":
+            network = self.network
+            addresses = {dc: [network.address(dc), GOSSIP_PORT] if network is not None else [HOST, free_port()]
+                         for dc in self.config.datacenter_names}
+            self.run_dir.update_settings({SETTINGS_GOSSIP_ADDRESSES: addresses})
 
     def _datacenter_process(self, name: str) -> dict[str, Any]:
         """How a datacenter's process starts: its environment, and (with the namespace emulator) its namespace, whose
@@ -420,10 +427,11 @@ class LocalRun:
     # --------------------------------------------------------------- driver
     def execute(self) -> LocalRunResult:
         """Run the experiment to its end; always stop every process; never leave the run 'running'."""
-        if strategy_class(self.config.strategy.name).loop == "gossip":
-            raise RunFailed(f"strategy '{self.config.strategy.name}' (gossip) is not implemented yet on Flower's engines: "
-                            "its datacenter-to-datacenter transport is being built; run it in-process "
-                            "(crossdc.testing.inprocess, benchmarks/gossip_bench.py)")
+        gossip = strategy_class(self.config.strategy.name).loop == "gossip"
+        if gossip and (self.options.superlink is not None or self.options.engine != "deployment"):
+            raise RunFailed(f"strategy '{self.config.strategy.name}' (gossip) runs on a local deployment only so far "
+                            "(--engine deployment, no --superlink): on a standing federation or in Flower's simulation "
+                            "it is not implemented yet")
         if self.options.superlink is not None:
             return self._execute_on_standing_federation()
         prepared = False
