@@ -79,10 +79,6 @@ class GossipAgent:
         self._thread = threading.Thread(target=self._run, name="gossip-agent", daemon=True)
         self._thread.start()
 
-    @property
-    def finished(self) -> bool:
-        return not self._thread.is_alive() and self._error is None
-
     def _run(self) -> None:
         replica = self.replica
         strategy = replica.strategy

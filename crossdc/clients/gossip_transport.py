@@ -98,18 +98,17 @@ class GossipTransport:
         started = time.perf_counter()
         sent = received = 0
         group = None
-        meeting = self.timeout
         try:
             # can the link reach the neighbour at all? if not, give up on it for this round now
             with socket.create_connection(self.addresses[peer], timeout=self.probe.total_seconds()):
                 pass
             low, high = sorted((self.index, peer))
             host, port = self.addresses[low]
-            # a client of its own per exchange (also to this datacenter's store): its timeout is this meeting's
-            store = dist.TCPStore(host, port, None, False, timeout=meeting, wait_for_workers=False)
+            # a client of its own per exchange, also to this datacenter's own store
+            store = dist.TCPStore(host, port, None, False, timeout=self.timeout, wait_for_workers=False)
             options = dist.ProcessGroupGloo._Options()
             options._devices = [self.device]
-            options._timeout = meeting
+            options._timeout = self.timeout
             rank = 0 if self.index == low else 1
             group = dist.ProcessGroupGloo(dist.PrefixStore(f"gossip/r{server_round}/{low}-{high}", store), rank, 2,
                                           options)

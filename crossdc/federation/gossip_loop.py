@@ -144,23 +144,13 @@ def run_gossip(grid: Grid, run_dir: RunDir, run_id: str, config: ExperimentConfi
     _, distance, average = consensus_distances([replicas[n] for n in names if n in replicas])
     session.weights = average
     session.val_loss, session.val_accuracy, _ = session.evaluate()
-    replica_losses = {name: _evaluate(session, weights) for name, weights in replicas.items()}
+    replica_losses = {name: session.evaluate(weights)[0] for name, weights in replicas.items()}
     session.save_final_weights()
     np.savez(run_dir.path / REPLICAS_FILE, **{f"{n}/{k}": v for n, w in replicas.items() for k, v in w.items()})
     session.totals["bytes_up"], session.totals["bytes_down"] = totals["bytes_up"], totals["bytes_down"]
     return session.summary(time.perf_counter() - run_started, final_model="average of the replicas",
                            replica_val_loss=replica_losses, final_consensus_distance=distance,
                            replicas_missing=sorted(set(names) - set(replicas)))
-
-
-def _evaluate(session: Any, weights: Mapping[str, np.ndarray]) -> float:
-    """The validation loss of `weights` (the session's own weights are put back)."""
-    kept = session.weights
-    try:
-        session.weights = dict(weights)
-        return float(session.evaluate()[0])
-    finally:
-        session.weights = kept
 
 
 def _log_round(session: Any, runlog: RunLog, run_id: str, strategy: Gossip, server_round: int,
@@ -177,7 +167,7 @@ def _log_round(session: Any, runlog: RunLog, run_id: str, strategy: Gossip, serv
         session.weights = average
         val_loss, val_accuracy, _ = session.evaluate()
         runlog.log_event(run_id=run_id, kind="replica-losses", round=server_round,
-                         detail={n: _evaluate(session, pictures[n]) for n in order})
+                         detail={n: session.evaluate(pictures[n])[0] for n in order})
     elif len(order) > 1 and all(reports[n].get("sketch") for n in order):  # else estimated from the sketches
         each, mean_distance = sketched_distances([np.asarray(reports[n]["sketch"], np.float64) for n in order])
         distances = dict(zip(order, each, strict=True))

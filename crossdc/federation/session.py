@@ -223,10 +223,11 @@ class RoundSession:
         result = exchange_result({n: self.weights[n] for n in names}, mean)
         return result if self.fragment_downlink is None else self.fragment_downlink.encode(exchange, result)
 
-    def evaluate(self) -> tuple[float, float, float]:
-        """(validation loss, accuracy, seconds) of the global weights on the workload's one validation set."""
+    def evaluate(self, weights: Mapping[str, np.ndarray] | None = None) -> tuple[float, float, float]:
+        """(validation loss, accuracy, seconds) of the global weights (or of `weights`, leaving the global ones as they
+        are) on the workload's one validation set."""
         started = time.perf_counter()
-        load_model_weights(self.model, self.weights)
+        load_model_weights(self.model, self.weights if weights is None else weights)
         loss, accuracy = evaluate(self.workload, self.model)
         return loss, accuracy, time.perf_counter() - started
 

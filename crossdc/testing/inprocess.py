@@ -295,12 +295,7 @@ class InProcessFederation:
     def evaluate_weights(self, weights: Mapping[str, np.ndarray]) -> tuple[float, float]:
         """(validation loss, accuracy) of `weights` on the workload's one validation set (the federation's own weights
         stay as they are)."""
-        kept = self.session.weights
-        try:
-            self.session.weights = dict(weights)
-            loss, accuracy, _ = self.session.evaluate()
-        finally:
-            self.session.weights = kept
+        loss, accuracy, _ = self.session.evaluate(weights)
         return loss, accuracy
 
     def evaluate(self) -> tuple[float, float]:
