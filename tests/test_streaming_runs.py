@@ -56,10 +56,13 @@ def streaming_runs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, dict]:
     return runs
 
 
-def exposed_ratio(run: dict, after_round: int = 1) -> float:
-    rows = [r for r in run["dc_rounds"] if r["round"] > after_round]
-    assert rows and all(r["status"] == "ok" for r in rows), run["dc_rounds"]
-    return sum(r["idle_s"] for r in rows) / sum(r["compute_s"] for r in rows)
+def exposed_idle(run: dict, after_round: int = 1) -> float:
+    """Seconds the WAN and the coordinator kept the trainers waiting after `after_round`: for each exchange, the
+    idle time of the datacenter that waited least (the last to send waits only for the cycle; what the others
+    wait beyond it is for that straggler, which a loaded machine makes at random), summed over the exchanges."""
+    rows = [e for e in run["exchanges"] if e["round"] > after_round]
+    assert rows and all(e["status"] == "ok" for e in rows), run["exchanges"]
+    return sum(min(e["idle_s"] for e in rows if e["exchange"] == exchange) for exchange in {e["exchange"] for e in rows})
 
 
 @pytest.mark.timeout(900)
@@ -90,9 +93,10 @@ def test_trainers_keep_computing_while_fragments_travel(streaming_runs: dict[str
     # int8 results down: about a quarter of the dense results' bytes (exchange 1 carries the initial weights)
     dense, compressed = (sum(e["bytes_down"] for e in run["exchanges"] if e["exchange"] > 1) for run in (overlapped, waiting))
     assert compressed < 0.4 * dense, (compressed, dense)
-    without, with_overlap = exposed_ratio(waiting), exposed_ratio(overlapped)
+    without, with_overlap = exposed_idle(waiting), exposed_idle(overlapped)
     # each exchange of the run without overlap waits a whole cycle (reply, aggregation, next message, ClientApp
-    # start); the eager run's merges need what arrived a round before: a wide margin, not a measured goal
+    # start: about 3 s on an idle machine); the eager run's merges need what arrived a round before: a wide margin,
+    # not a measured goal
     assert with_overlap < 0.25 * without, (with_overlap, without)
 
 
