@@ -12,17 +12,16 @@ from __future__ import annotations
 
 import json
 import subprocess
-import threading
 import time
 import uuid
 from collections.abc import Iterator
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from datetime import timedelta
 from pathlib import Path
 from typing import Any
 
 import pytest
-import uvicorn
+from browser_harness import REPO, Site, Tab, browser_fixture, serve, tab_fixture  # noqa: F401
 from conftest import CROSSDC
 from sqlalchemy import insert, update
 
@@ -32,14 +31,8 @@ from crossdc.db.engine import make_engine, upgrade
 from crossdc.db.models import DATACENTER_ROUNDS, ROUNDS, RUNS
 from crossdc.db.queries import list_datacenter_rounds, list_rounds
 from crossdc.db.runlog import RunLog, utcnow
-from crossdc.experiment.processes import free_port, wait_for_port
+from crossdc.experiment.processes import free_port
 
-playwright_sync = pytest.importorskip("playwright.sync_api")
-
-REPO = Path(__file__).resolve().parents[1]
-ARTIFACTS = REPO / "test-artifacts"
-CHROMIUM = "/usr/bin/chromium"
-CHROMIUM_ARGS = ["--no-sandbox", "--disable-gpu", "--disable-background-networking"]
 RUN_PAGE_FIGURES = [FIGURE_IDS[k] for k in (
     "loss_vs_round", "loss_vs_bytes", "loss_vs_wall_time", "tau_schedule", "bytes_per_round",
     "time_breakdown", "comm_comp_ratio", "exposed_comm_comp_ratio", "drift_per_datacenter")]
@@ -150,86 +143,27 @@ def write_long_run(conn: Any) -> None:
 
 
 @dataclass
-class Site:
-    """The served app: its base URL, its database and the real run's id."""
+class RealRunSite(Site):
+    """The served app, its database and the id of the run the real `crossdc run` wrote."""
 
-    base: str
-    db_url: str
     real_run_id: str
 
 
 @pytest.fixture(scope="module")
-def site(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Site]:
+def site(tmp_path_factory: pytest.TempPathFactory) -> Iterator[RealRunSite]:
     workdir = tmp_path_factory.mktemp("dashboard")
     db_url = f"sqlite:///{workdir / 'crossdc.db'}"
     upgrade(db_url)
     run_id = real_run(db_url, workdir)
     write_constructed_runs(db_url)
-    port = free_port()
-    server = uvicorn.Server(uvicorn.Config(create_app(db_url), host="127.0.0.1", port=port, log_level="warning", ws="none"))
-    thread = threading.Thread(target=server.run, name="dashboard-under-test", daemon=True)
-    thread.start()
-    try:
-        wait_for_port("127.0.0.1", port, timeout_s=30)
-        yield Site(f"http://127.0.0.1:{port}", db_url, run_id)
-    finally:
-        server.should_exit = True
-        thread.join(timeout=15)
-
-
-@pytest.fixture(scope="module")
-def browser() -> Iterator[Any]:
-    with playwright_sync.sync_playwright() as pw:
-        chromium = pw.chromium.launch(executable_path=CHROMIUM, args=CHROMIUM_ARGS)
-        try:
-            yield chromium
-        finally:
-            chromium.close()
-
-
-@dataclass
-class Tab:
-    """A browser page plus the console errors and uncaught exceptions it produced."""
-
-    page: Any
-    errors: list[str] = field(default_factory=list)
-
-    def goto(self, url: str) -> Any:
-        return self.page.goto(url, wait_until="load")
-
-    def counts(self, div_id: str) -> list[int]:
-        """Points per trace of the plotly chart in `div_id`."""
-        return self.page.evaluate("id => document.getElementById(id).data.map(t => t.x.length)", div_id)
-
-    def wait_for_charts(self, ids: list[str]) -> None:
-        self.page.wait_for_function(
-            "ids => ids.every(id => { const el = document.getElementById(id); return el && el.data && el._fullLayout; })",
-            arg=ids, timeout=20_000)
-
-    def screenshot(self, name: str) -> Path:
-        ARTIFACTS.mkdir(exist_ok=True)
-        path = ARTIFACTS / name
-        self.page.screenshot(path=str(path), full_page=True)
-        return path
-
-
-@pytest.fixture
-def tab(browser: Any) -> Iterator[Tab]:
-    context = browser.new_context(viewport={"width": 1400, "height": 900})
-    page = context.new_page()
-    found = Tab(page)
-    page.on("console", lambda message: found.errors.append(f"console: {message.text}") if message.type == "error" else None)
-    page.on("pageerror", lambda error: found.errors.append(f"pageerror: {error}"))
-    try:
-        yield found
-    finally:
-        context.close()
+    with serve(db_url) as served:
+        yield RealRunSite(served.base, served.db_url, run_id)
 
 
 # ------------------------------------------------------------------ tests
 
 
-def test_run_page_of_a_real_run_draws_every_chart_from_its_rows(site: Site, tab: Tab) -> None:
+def test_run_page_of_a_real_run_draws_every_chart_from_its_rows(site: RealRunSite, tab: Tab) -> None:
     engine = make_engine(site.db_url)
     try:
         rounds, dc_rows = list_rounds(engine, site.real_run_id), list_datacenter_rounds(engine, site.real_run_id)
@@ -261,7 +195,7 @@ def test_run_page_of_a_real_run_draws_every_chart_from_its_rows(site: Site, tab:
     assert tab.errors == []
 
 
-def test_a_round_written_while_the_page_is_open_appears_without_a_reload(site: Site, tab: Tab) -> None:
+def test_a_round_written_while_the_page_is_open_appears_without_a_reload(site: RealRunSite, tab: Tab) -> None:
     tab.goto(f"{site.base}/runs/{LIVE_RUN}")
     tab.wait_for_charts(RUN_PAGE_FIGURES)
     assert tab.counts(FIGURE_IDS["loss_vs_round"]) == [3, 3]
@@ -290,7 +224,7 @@ def test_a_round_written_while_the_page_is_open_appears_without_a_reload(site: S
     assert tab.errors == []
 
 
-def test_exact_async_run_shows_staleness_alerts_not_measured_and_events(site: Site, tab: Tab) -> None:
+def test_exact_async_run_shows_staleness_alerts_not_measured_and_events(site: RealRunSite, tab: Tab) -> None:
     tab.goto(f"{site.base}/runs/{ASYNC_RUN}")
     tab.wait_for_charts(RUN_PAGE_FIGURES + STALENESS_FIGURES)
     staleness = tab.page.evaluate(
@@ -316,7 +250,7 @@ def test_exact_async_run_shows_staleness_alerts_not_measured_and_events(site: Si
     assert tab.errors == []
 
 
-def test_a_running_async_run_gets_its_staleness_charts_once_it_has_staleness(site: Site, tab: Tab) -> None:
+def test_a_running_async_run_gets_its_staleness_charts_once_it_has_staleness(site: RealRunSite, tab: Tab) -> None:
     run_id = "async-live-" + uuid.uuid4().hex[:8]
     with RunLog(site.db_url) as log:  # started, no update yet
         log.start_run(run_id=run_id, name="async-live", strategy="fedbuff", config={}, rounds_planned=5)
@@ -344,7 +278,7 @@ def test_a_running_async_run_gets_its_staleness_charts_once_it_has_staleness(sit
     assert tab.errors == []
 
 
-def test_long_run_traces_are_bounded_and_keep_the_last_round(site: Site, tab: Tab) -> None:
+def test_long_run_traces_are_bounded_and_keep_the_last_round(site: RealRunSite, tab: Tab) -> None:
     started = time.monotonic()
     response = tab.goto(f"{site.base}/runs/{LONG_RUN}")
     assert response.status == 200
@@ -364,7 +298,7 @@ def test_long_run_traces_are_bounded_and_keep_the_last_round(site: Site, tab: Ta
     assert tab.errors == []
 
 
-def test_compare_page_overlays_two_runs(site: Site, tab: Tab) -> None:
+def test_compare_page_overlays_two_runs(site: RealRunSite, tab: Tab) -> None:
     tab.goto(f"{site.base}/compare?runs={site.real_run_id},{SCAFFOLD_RUN}")
     ids = [FIGURE_IDS["compare_round"], FIGURE_IDS["compare_bytes"]]
     tab.wait_for_charts(ids)
@@ -383,7 +317,7 @@ def test_compare_page_overlays_two_runs(site: Site, tab: Tab) -> None:
     assert tab.errors == []
 
 
-def test_bad_compare_lists_and_unknown_runs_get_clear_error_pages(site: Site, tab: Tab) -> None:
+def test_bad_compare_lists_and_unknown_runs_get_clear_error_pages(site: RealRunSite, tab: Tab) -> None:
     response = tab.goto(f"{site.base}/compare?runs={SCAFFOLD_RUN}")
     assert response.status == 400
     assert "at least two different run ids" in tab.page.inner_text(".error-message")
@@ -396,7 +330,7 @@ def test_bad_compare_lists_and_unknown_runs_get_clear_error_pages(site: Site, ta
     tab.screenshot("run-not-found.png")
 
 
-def test_runs_list_shows_every_run_with_its_effective_status(site: Site, tab: Tab) -> None:
+def test_runs_list_shows_every_run_with_its_effective_status(site: RealRunSite, tab: Tab) -> None:
     with RunLog(site.db_url) as log:  # the live run may have finished meanwhile: this one keeps running
         running = "running-" + uuid.uuid4().hex[:8]
         log.start_run(run_id=running, name="still-running", strategy="fedprox", config={}, rounds_planned=3)
@@ -422,7 +356,7 @@ def test_runs_list_shows_every_run_with_its_effective_status(site: Site, tab: Ta
     assert tab.errors == []
 
 
-def test_datacenters_page_lists_enrolled_datacenters(site: Site, tab: Tab) -> None:
+def test_datacenters_page_lists_enrolled_datacenters(site: RealRunSite, tab: Tab) -> None:
     tab.goto(f"{site.base}/datacenters")
     names = tab.page.eval_on_selector_all("#datacenters tbody tr", "els => els.map(e => e.dataset.datacenter)")
     assert {"us-east", "eu-west", "ap-south"} <= set(names)
@@ -433,7 +367,7 @@ def test_datacenters_page_lists_enrolled_datacenters(site: Site, tab: Tab) -> No
     assert tab.errors == []
 
 
-def test_plotly_js_is_served_locally(site: Site, tab: Tab) -> None:
+def test_plotly_js_is_served_locally(site: RealRunSite, tab: Tab) -> None:
     response = tab.goto(f"{site.base}/static/plotly.min.js")
     assert response.status == 200 and "javascript" in response.headers["content-type"]
     tab.goto(f"{site.base}/runs/{site.real_run_id}")

@@ -231,6 +231,36 @@ class LinksPage(BaseModel):
     items: list[LinkRoundRow]
 
 
+class LinkTotalRow(BaseModel):
+    """One pair of datacenters whose link carried gossip exchanges: both directions, over the whole run."""
+
+    a: str = Field(description="The pair's first datacenter (a < b, by name).")
+    b: str = Field(description="The pair's second datacenter.")
+    bytes: int = Field(description="Bytes both ends sent each other over the run (failed exchanges included).")
+    bytes_a_to_b: int = Field(description="Bytes a sent b.")
+    bytes_b_to_a: int = Field(description="Bytes b sent a.")
+    rounds: int = Field(description="Rounds with an exchange on the pair.")
+    failed_rounds: int = Field(description="Of those, the rounds where a direction failed.")
+    in_flight_s_median: float | None = Field(description="Median seconds in flight of the transfers that worked "
+                                                         "(each direction of each round); null when none did.")
+    route: Literal["direct", "coordinator"] | None = Field(
+        description="From the run's config: direct (a link of [[links]]) or coordinator (not listed: the exchanges "
+                    "cross the coordinator's site on both datacenters' own links); null when the config does not "
+                    "name both datacenters.")
+    rtt_ms: float | None = Field(description="The emulated round-trip time of the pair's path in the run's config "
+                                             "(coordinator: the sum of both datacenters' link RTTs); null when the "
+                                             "config gives none.")
+
+
+class LinkTotals(BaseModel):
+    """A gossip run's datacenters and, per pair of them whose link carried exchanges, what it carried over the run."""
+
+    run_id: str
+    datacenters: list[str] = Field(description="The run's config's datacenters in config order, then any other "
+                                               "that its link rows name, by name.")
+    items: list[LinkTotalRow] = Field(description="One per pair with at least one link_rounds row, by (a, b).")
+
+
 class DatacenterInfo(BaseModel):
     name: str
     region: str | None
@@ -501,6 +531,15 @@ def get_links(run_id: RunId, conn: Conn) -> Response:
     """What each datacenter-to-datacenter link carried per round of a gossip run (empty for other runs)."""
     _require_run(conn, run_id)
     return _json_response({"run_id": run_id, "items": queries.link_rounds(conn, run_id)})
+
+
+@router.get("/api/runs/{run_id}/link-totals", response_model=LinkTotals, responses={**_404, **_503}, tags=["runs"])
+def get_link_totals(run_id: RunId, conn: Conn) -> Response:
+    """Per pair of datacenters, what their link carried over a gossip run (both directions, failed rounds, median
+    seconds in flight) and the route and RTT the run's config gives it; the dashboard's topology view draws these.
+    Empty for other runs."""
+    _require_run(conn, run_id)
+    return _json_response({"run_id": run_id, **queries.link_totals(conn, run_id)})
 
 
 @router.get("/api/datacenters", response_model=list[DatacenterInfo], responses=_503, tags=["datacenters"])

@@ -4,7 +4,8 @@ Routes (all read-only, none in the OpenAPI schema):
 
 * ``/``: the runs, newest first, with status and headline numbers; pick runs to compare.
 * ``/runs/{run_id}``: one run's charts and tables (the staleness charts only for a run with
-  staleness, i.e. an asynchronous one; the timeline only for a run with timeline spans); 404
+  staleness, i.e. an asynchronous one; the timeline only for a run with timeline spans; the
+  gossip views, topology and consensus curve, only for a gossip run: see :func:`gossip_views`); 404
   page for an unknown id. While the run
   is running the page polls ``/runs/{run_id}/live.json`` every ~2 s and redraws itself
   (``Plotly.react``) when the run's version marker changed; it stops when the run stops.
@@ -54,7 +55,7 @@ from crossdc.dashboard.page_data import (
     run_list,
     run_version,
 )
-from crossdc.dashboard.queries import utcnow
+from crossdc.dashboard.queries import has_gossip_rows, utcnow
 from crossdc.db.engine import safe_url
 
 TEMPLATES_DIR = Path(__file__).parent / "templates"
@@ -63,6 +64,11 @@ PLOTLY_JS = Path(plotly.__file__).parent / "package_data" / "plotly.min.js"
 POLL_INTERVAL_MS = 2000
 #: The most runs one compare page overlays.
 MAX_COMPARED_RUNS = 12
+#: The strategy whose runs get the gossip views even before they logged anything (decentralized gossip).
+GOSSIP_STRATEGY = "gossip"
+#: How many rounds the gossip views ask the API for per page (rounds, and per-datacenter rounds: every datacenter's
+#: row of each round).
+GOSSIP_PAGE_ROUNDS = 1000
 
 router = APIRouter(include_in_schema=False)
 
@@ -281,12 +287,35 @@ def _run_context(data: RunPageData) -> dict[str, Any]:
     }
 
 
+def gossip_views(request: Request, conn: Connection, run: dict[str, Any]) -> dict[str, Any] | None:
+    """What the run page's gossip views (topology, consensus curve) need, or ``None`` for a run that gets none.
+
+    A run gets them when its strategy is gossip (from its start, so that a live run fills them in as its rounds come)
+    or when it logged what a gossip run logs (link rows, consensus distances). The page's script reads the data from
+    the JSON API at the URLs given here and draws the views itself (``dashboard.js``), with at most ``max_points``
+    points per curve, like the server-drawn figures.
+    """
+    if run["strategy"] != GOSSIP_STRATEGY and not has_gossip_rows(conn, run["id"]):
+        return None
+    return {
+        "link_totals_url": request.url_for("get_link_totals", run_id=run["id"]).path,
+        "rounds_url": request.url_for("get_rounds", run_id=run["id"]).path,
+        "datacenter_rounds_url": request.url_for("get_datacenter_rounds", run_id=run["id"]).path,
+        "page_size": GOSSIP_PAGE_ROUNDS,
+        "max_points": figures.MAX_POINTS,
+    }
+
+
 @router.get("/runs/{run_id}", response_class=HTMLResponse)
 def run_page(request: Request, run_id: str) -> HTMLResponse:
-    """One run: its charts, its per-datacenter table and its events; live while it runs."""
+    """One run: its charts, its per-datacenter table and its events, and a gossip run's topology and consensus curve;
+    live while it runs."""
+    gossip = None
     try:
         with _connection(request) as conn:
             loaded = _load_run(request, conn, run_id)
+            if loaded is not None:
+                gossip = gossip_views(request, conn, loaded[0].run)
     except SQLAlchemyError as e:
         return _unavailable(request, e)
     if loaded is None:
@@ -299,6 +328,7 @@ def run_page(request: Request, run_id: str) -> HTMLResponse:
         title=f"Run {data.run['name']}",
         figures_json=script_json(figures_text),
         live_json=script_json(json.dumps(live)),
+        gossip_json=script_json(json.dumps(gossip)) if gossip is not None else None,
     )
     return templates.TemplateResponse(request, "run.html", context)
 

@@ -19,6 +19,7 @@ character, text that is not valid Unicode, ids longer than the column) simply ma
 
 from __future__ import annotations
 
+import statistics
 import time
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
@@ -28,10 +29,12 @@ from typing import Any
 from sqlalchemy import ColumnElement, Connection, DateTime, Float, Table, and_, case, false, func, inspect, or_, select, text, true
 
 from crossdc.dashboard.figures import comm_comp, utilisation
-from crossdc.db.models import ASYNC_UPDATES, DATACENTER_ROUNDS, DATACENTERS, EVENTS, ROUNDS, RUNS
+from crossdc.db.models import ASYNC_UPDATES, DATACENTER_ROUNDS, DATACENTERS, EVENTS, LINK_ROUNDS, ROUNDS, RUNS
 from crossdc.db.queries import as_utc, list_link_rounds, list_timeline_spans, utcnow
 from crossdc.db.status import STALE_AFTER_MIN_S, STALE_AFTER_SLOWEST_ROUNDS, EffectiveStatus, effective_status, stale_after_s
-from crossdc.db.values import finite_or_none
+from crossdc.db.values import finite_float, finite_or_none
+from crossdc.experiment.builders import datacenter_rtts
+from crossdc.experiment.config import ConfigError, parse_config
 
 #: The most rows (rounds, for a run's per-datacenter rounds) one page may hold.
 MAX_PAGE_SIZE = 5000
@@ -200,6 +203,71 @@ def async_updates_page(conn: Connection, run_id: str, *, since_seq: int | None, 
 def link_rounds(conn: Connection, run_id: str) -> list[dict[str, Any]]:
     """A gossip run's ``link_rounds`` rows, by round, sender, receiver."""
     return [_clean(r, LINK_ROUND_FIELDS) for r in list_link_rounds(conn, run_id)]
+
+
+def link_totals(conn: Connection, run_id: str) -> dict[str, Any]:
+    """What each pair of datacenters' link carried over a gossip run, both directions together, with the RTT the
+    run's config gives the pair's path: ``{"datacenters": [...], "items": [...]}`` (no items for another run).
+
+    ``datacenters``: the run's datacenters, those of its config in config order, then any other that its link rows
+    name, by name. ``items``: one per unordered pair with at least one ``link_rounds`` row, by (``a``, ``b``) with
+    ``a < b``: ``bytes`` (what both ends sent, failed exchanges included), ``bytes_a_to_b``, ``bytes_b_to_a``,
+    ``rounds`` (rounds with an exchange on the pair), ``failed_rounds`` (of those, the rounds where a direction
+    failed), ``in_flight_s_median`` (the median seconds in flight of the transfers that worked, each direction of
+    each round; ``None`` when none did), and from the config (:func:`config_link_paths`) ``route`` and ``rtt_ms``.
+    Reads the run's link rows once, six narrow columns of each.
+    """
+    lr = LINK_ROUNDS
+    stmt = (select(lr.c.round, lr.c.src, lr.c.dst, lr.c.bytes, lr.c.in_flight_s, lr.c.error.is_not(None))
+            .where(lr.c.run_id == run_id))
+    pairs: dict[tuple[str, str], dict[str, Any]] = {}
+    for round_, src, dst, sent, in_flight_s, failed in conn.execute(stmt):
+        a, b = sorted((src, dst))
+        pair = pairs.setdefault((a, b), {"a_to_b": 0, "b_to_a": 0, "rounds": set(), "failed": set(), "in_flight": []})
+        pair["a_to_b" if src == a else "b_to_a"] += int(sent or 0)
+        pair["rounds"].add(round_)
+        if failed:
+            pair["failed"].add(round_)
+        elif (seconds := finite_float(in_flight_s)) is not None:
+            pair["in_flight"].append(seconds)
+    config_row = conn.execute(select(RUNS.c.config).where(RUNS.c.id == run_id)).first()
+    config = config_row[0] if config_row is not None and isinstance(config_row[0], dict) else {}
+    configured = _run_datacenters({"config": config})
+    named = sorted({name for pair in pairs for name in pair} - set(configured))
+    paths = config_link_paths(config)
+    items = []
+    for (a, b), pair in sorted(pairs.items()):
+        route, rtt_ms = paths.get((a, b), (None, None))
+        items.append({
+            "a": a, "b": b, "bytes": pair["a_to_b"] + pair["b_to_a"], "bytes_a_to_b": pair["a_to_b"],
+            "bytes_b_to_a": pair["b_to_a"], "rounds": len(pair["rounds"]), "failed_rounds": len(pair["failed"]),
+            "in_flight_s_median": statistics.median(pair["in_flight"]) if pair["in_flight"] else None,
+            "route": route, "rtt_ms": rtt_ms,
+        })
+    return {"datacenters": configured + named, "items": items}
+
+
+def config_link_paths(config: Mapping[str, Any]) -> dict[tuple[str, str], tuple[str, float | None]]:
+    """For each unordered pair (a, b), a < b, of the datacenters of a run's config (as stored with the run): the
+    pair's ``route`` and its emulated RTT in ms (crossdc.experiment.builders.datacenter_rtts). ``"direct"``: the
+    pair is a link of ``[[links]]``; ``"coordinator"``: its exchanges cross the coordinator's site on both
+    datacenters' own links. Empty for a config that does not parse any more."""
+    try:
+        parsed = parse_config(dict(config))
+    except (ConfigError, TypeError, ValueError):
+        return {}
+    return {(a, b) if a < b else (b, a): ("direct" if parsed.mesh_link(a, b) is not None else "coordinator", rtt)
+            for (a, b), rtt in datacenter_rtts(parsed).items()}
+
+
+def has_gossip_rows(conn: Connection, run_id: str) -> bool:
+    """Whether the run logged what a gossip run logs: a ``link_rounds`` row, or a round's consensus distance."""
+    if not could_be_run_id(run_id):
+        return False
+    links = select(LINK_ROUNDS.c.id).where(LINK_ROUNDS.c.run_id == run_id).limit(1)
+    consensus = (select(ROUNDS.c.round).where(ROUNDS.c.run_id == run_id, ROUNDS.c.consensus_distance.is_not(None))
+                 .limit(1))
+    return conn.execute(links).first() is not None or conn.execute(consensus).first() is not None
 
 
 def timeline_spans(conn: Connection, run_id: str, *, limit: int,
@@ -535,6 +603,7 @@ __all__ = [
     "RunMetrics",
     "as_utc",
     "async_updates_page",
+    "config_link_paths",
     "could_be_run_id",
     "database_health",
     "datacenter_rounds_page",
@@ -542,7 +611,9 @@ __all__ = [
     "effective_status",
     "events_page",
     "finite_or_none",
+    "has_gossip_rows",
     "last_round",
+    "link_totals",
     "list_run_summaries",
     "metrics_snapshot",
     "rounds_page",
