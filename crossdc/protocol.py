@@ -139,6 +139,7 @@ GOSSIP_START, GOSSIP_REPORT, GOSSIP_FINAL = "start", "report", "final"
 GOSSIP_ACTIONS = (GOSSIP_START, GOSSIP_REPORT, GOSSIP_FINAL)
 #: config entry: the last round of this datacenter the coordinator has logged (the trainer forgets up to it)
 GOSSIP_ACKNOWLEDGED = "crossdc-gossip-acknowledged"
+GOSSIP_RECEIVED = "crossdc-gossip-received"
 #: config entry: how long the trainer may wait for a new round before it answers a report
 GOSSIP_WAIT_S = "crossdc-gossip-wait-s"
 #: reply config entries: the rounds' reports (JSON list of {round, compute_s, idle_s, train_loss, num_examples,
@@ -380,16 +381,20 @@ def train_config(*, server_round: int, tau: int, run_id: str, run_dir: str, data
 @dataclass(frozen=True)
 class GossipRequest:
     """What the ClientApp hands the persistent trainer for one message of a gossip run: start the replica's agent
-    (``start``), hand over the reports and snapshots of rounds after `acknowledged` (``report``, waiting up to
-    `wait_s` for one), or the replica's final weights (``final``)."""
+    (``start``), hand over the reports and snapshots of rounds after `received` (``report``, waiting up to `wait_s`
+    for one; what the coordinator holds already is not sent again) and forget those up to `acknowledged` (they are in
+    the run log), or the replica's final weights (``final``). `received` is never below `acknowledged`."""
 
     run_id: str
     action: str
     acknowledged: int = 0
     wait_s: float = 0.0
     attempt: int = 1
+    received: int = 0
 
     def __post_init__(self) -> None:
+        if self.received < self.acknowledged:
+            object.__setattr__(self, "received", self.acknowledged)
         if self.action not in GOSSIP_ACTIONS:
             raise ProtocolError(f"unknown gossip action {self.action!r}; known: {', '.join(GOSSIP_ACTIONS)}")
 
@@ -401,14 +406,15 @@ class GossipRequest:
             return cls(run_id=str(config[RUN_ID]), action=str(config[GOSSIP]),
                        acknowledged=config_int(config, GOSSIP_ACKNOWLEDGED) if GOSSIP_ACKNOWLEDGED in config else 0,
                        wait_s=float(config.get(GOSSIP_WAIT_S, 0.0)),  # type: ignore[arg-type]
-                       attempt=config_int(config, ATTEMPT) if ATTEMPT in config else 1)
+                       attempt=config_int(config, ATTEMPT) if ATTEMPT in config else 1,
+                       received=config_int(config, GOSSIP_RECEIVED) if GOSSIP_RECEIVED in config else 0)
         except KeyError as err:
             raise ProtocolError(f"gossip message: missing config entry {err.args[0]!r}") from None
 
     def to_dict(self) -> dict[str, Any]:
         """The request as sent over the trainer's local channel (``{"op": "gossip", ...}``)."""
         return {"op": GOSSIP_OP, "run_id": self.run_id, "action": self.action, "acknowledged": self.acknowledged,
-                "wait_s": self.wait_s, "attempt": self.attempt}
+                "wait_s": self.wait_s, "attempt": self.attempt, "received": self.received}
 
     @classmethod
     def from_dict(cls, request: Mapping[str, Any]) -> GossipRequest:
@@ -416,7 +422,7 @@ class GossipRequest:
         try:
             return cls(run_id=str(request["run_id"]), action=str(request["action"]),
                        acknowledged=int(request.get("acknowledged", 0)), wait_s=float(request.get("wait_s", 0.0)),
-                       attempt=int(request.get("attempt", 1)))
+                       attempt=int(request.get("attempt", 1)), received=int(request.get("received", 0)))
         except KeyError as err:
             raise ProtocolError(f"a gossip request needs {err.args[0]!r}") from None
         except (TypeError, ValueError) as err:
@@ -424,10 +430,11 @@ class GossipRequest:
 
 
 def gossip_config(*, action: str, run_id: str, run_dir: str, datacenter: str, acknowledged: int = 0,
-                  wait_s: float = 0.0, attempt: int | None = None) -> dict[str, Any]:
-    """The config entries of a gossip message."""
+                  wait_s: float = 0.0, attempt: int | None = None, received: int | None = None) -> dict[str, Any]:
+    """The config entries of a gossip message (`received`: as `acknowledged` if not given)."""
     cfg: dict[str, Any] = {GOSSIP: action, RUN_ID: run_id, RUN_DIR: run_dir, DATACENTER: datacenter,
-                           GOSSIP_ACKNOWLEDGED: acknowledged, GOSSIP_WAIT_S: float(wait_s)}
+                           GOSSIP_ACKNOWLEDGED: acknowledged, GOSSIP_WAIT_S: float(wait_s),
+                           GOSSIP_RECEIVED: acknowledged if received is None else received}
     if attempt is not None:
         cfg[ATTEMPT] = attempt
     return cfg

@@ -8,7 +8,12 @@ neighbour the bytes each way, the seconds in flight and why nothing came when no
 outer weights right after the mix, :func:`crossdc.strategies.mixing.count_sketch`, from which the coordinator
 estimates the replicas' distances to their average) and, on the rounds `observe(round)` names, a **snapshot** of
 those weights; `save(round, state)`
-(if given) keeps the replica's state with the reports not yet acknowledged, so a restarted trainer goes on from there.
+(if given) keeps the replica's state with the reports not yet acknowledged, so a restarted trainer goes on from there;
+`publish(round, weights)` (if given) offers the replica after each round to datacenters that rejoin. An agent given
+`rejoin` (a restarted datacenter's) first asks it for a newer replica — (round, weights, whose) from a neighbour, or
+None — and, if one comes, adopts it (:meth:`GossipReplica.adopt`) and goes on from the round after it; its next
+report says so (``rejoined``: the round it had, the round it took, from whom), and the rounds in between have no
+report from it.
 :meth:`GossipAgent.reports` hands over what the coordinator has not acknowledged and forgets what it has: a coordinator
 away for a while catches up on everything when it comes back. A failure in the thread is reported to every later
 call, never swallowed.
@@ -48,17 +53,19 @@ class RoundReport:
     num_examples: int
     links: dict[int, dict[str, Any]] = field(default_factory=dict)
     sketch: list[float] = field(default_factory=list)
+    rejoined: dict[str, Any] | None = None
 
     def to_dict(self) -> dict[str, Any]:
         return {"round": self.server_round, "compute_s": self.compute_s, "idle_s": self.idle_s,
                 "train_loss": self.train_loss, "num_examples": self.num_examples,
-                "links": {str(k): v for k, v in self.links.items()}, "sketch": list(self.sketch)}
+                "links": {str(k): v for k, v in self.links.items()}, "sketch": list(self.sketch),
+                "rejoined": self.rejoined}
 
     @classmethod
     def from_dict(cls, data: Mapping[str, Any]) -> RoundReport:
         return cls(int(data["round"]), float(data["compute_s"]), float(data["idle_s"]), float(data["train_loss"]),
                    int(data["num_examples"]), {int(k): dict(v) for k, v in data["links"].items()},
-                   [float(x) for x in data.get("sketch", [])])
+                   [float(x) for x in data.get("sketch", [])], data.get("rejoined"))
 
 
 class GossipAgent:
@@ -67,8 +74,11 @@ class GossipAgent:
     def __init__(self, replica: GossipReplica, rounds: int, exchange: Exchange, *,
                  observe: Callable[[int], bool] = lambda server_round: True,
                  save: Callable[[int, dict[str, Any]], None] | None = None,
-                 pending: list[RoundReport] | None = None, snapshots: dict[int, dict[str, np.ndarray]] | None = None) -> None:
+                 pending: list[RoundReport] | None = None, snapshots: dict[int, dict[str, np.ndarray]] | None = None,
+                 publish: Callable[[int, Arrays], None] | None = None,
+                 rejoin: Callable[[int], tuple[int, Arrays, str] | None] | None = None) -> None:
         self.replica, self.rounds, self._exchange, self.observe, self.save = replica, rounds, exchange, observe, save
+        self.publish, self.rejoin = publish, rejoin
         #: the CountSketch's seed: the run's, the same on every datacenter
         self.sketch_seed = replica.strategy.run.seed if replica.strategy.run is not None else 0
         self._condition = threading.Condition()
@@ -84,6 +94,7 @@ class GossipAgent:
         strategy = replica.strategy
         tau = strategy.tau(1)
         try:
+            rejoined = self._rejoin()
             for server_round in range(replica.server_round + 1, self.rounds + 1):
                 if self._cancelled:
                     return
@@ -103,7 +114,11 @@ class GossipAgent:
                     peer: {"bytes_sent": e.bytes_sent, "bytes_received": e.bytes_received,
                            "in_flight_s": e.in_flight_s, "used": peer in mixed.used,
                            "error": e.error or mixed.missing.get(peer)}
-                    for peer, e in exchanged.items()}, [float(f"{x:.6g}") for x in count_sketch(replica.outer, self.sketch_seed)])
+                    for peer, e in exchanged.items()}, [float(f"{x:.6g}") for x in count_sketch(replica.outer, self.sketch_seed)],
+                    rejoined)
+                rejoined = None
+                if self.publish is not None:
+                    self.publish(server_round, replica.outer)
                 with self._condition:
                     self._reports.append(report)
                     if self.observe(server_round):
@@ -116,26 +131,43 @@ class GossipAgent:
                 self._error = f"{type(err).__name__}: {err}".splitlines()[0]
                 self._condition.notify_all()
 
+    def _rejoin(self) -> dict[str, Any] | None:
+        """Adopt a neighbour's newer replica if `rejoin` finds one (see the module docstring); what was done."""
+        if self.rejoin is None:
+            return None
+        had = self.replica.server_round
+        found = self.rejoin(had)
+        if found is None or found[0] <= had:
+            return None
+        server_round, weights, source = found
+        self.replica.adopt(min(server_round, self.rounds), weights)
+        return {"from_round": had, "at_round": self.replica.server_round, "source": source}
+
     def _saved_state(self) -> dict[str, Any]:
         return {"replica": self.replica.state_dict(), "reports": [r.to_dict() for r in self._reports],
                 "snapshots": dict(self._snapshots)}
 
-    def reports(self, acknowledged: int, wait_s: float) -> tuple[list[RoundReport], dict[int, dict[str, np.ndarray]], bool]:
-        """(reports of rounds after `acknowledged`, snapshots of those rounds, whether the run's last round is done):
-        waits up to `wait_s` for a round after `acknowledged` if none is filed yet; forgets everything up to
-        `acknowledged` (the coordinator has it). GossipFailed if the thread stopped on an error."""
+    def reports(self, acknowledged: int, wait_s: float, received: int | None = None,
+                ) -> tuple[list[RoundReport], dict[int, dict[str, np.ndarray]], bool]:
+        """(reports of rounds after `received`, snapshots of those rounds, whether the run's last round is done):
+        waits up to `wait_s` for a round after `received` (default: `acknowledged`) if none is filed yet; forgets
+        everything up to `acknowledged` (the coordinator has it in its run log). GossipFailed if the thread stopped on
+        an error."""
+        received = max(acknowledged, acknowledged if received is None else received)
         deadline = time.monotonic() + wait_s
         with self._condition:
             self._reports = [r for r in self._reports if r.server_round > acknowledged]
             self._snapshots = {r: s for r, s in self._snapshots.items() if r > acknowledged}
-            while not self._reports and self._error is None and self._thread.is_alive():
+            while (not any(r.server_round > received for r in self._reports) and self._error is None
+                   and self._thread.is_alive()):
                 left = deadline - time.monotonic()
                 if left <= 0:
                     break
                 self._condition.wait(left)
             if self._error is not None:
                 raise GossipFailed(self._error)
-            return list(self._reports), dict(self._snapshots), not self._thread.is_alive()
+            return ([r for r in self._reports if r.server_round > received],
+                    {r: s for r, s in self._snapshots.items() if r > received}, not self._thread.is_alive())
 
     def final(self, timeout_s: float) -> dict[str, np.ndarray]:
         """The replica's outer weights after the run's last round (waiting up to `timeout_s` for it)."""

@@ -180,6 +180,22 @@ class GossipReplica:
         self.public[message.sender], self.versions[message.sender] = copy, message.version
         return copy
 
+    def adopt(self, server_round: int, weights: Arrays) -> None:
+        """Rejoin at `server_round` with a neighbour's replica `weights` (its outer weights after that round's mix):
+        they become this replica's outer weights; the outer momentum starts again from zero, and the inner optimizer
+        and the data order carry on. Public copies keep their versions: a neighbour that holds an older one of this
+        replica's copy, or sends a delta on one this replica lacks, gets or sends the copy in full."""
+        if self.inner is not None:
+            raise ValueError(f"round {self.server_round + 1} is trained and not mixed: nothing to adopt into")
+        if server_round <= self.server_round:
+            raise ValueError(f"a replica of round {server_round} is not ahead of this one (round {self.server_round})")
+        if set(weights) != set(self.outer):
+            raise ValueError("the neighbour's replica does not have this model's tensors")
+        self.outer = {n: np.asarray(weights[n], np.float32).copy() for n in self.outer}
+        self.momentum = None
+        self.server_round = server_round
+        self.trainer.set_weights(self.outer)
+
     def state_dict(self) -> dict[str, Any]:
         """Everything to go on exactly from here (between a mix and the next round's steps)."""
         return {"outer": self.outer, "momentum": self.momentum, "server_round": self.server_round,

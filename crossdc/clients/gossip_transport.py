@@ -1,27 +1,48 @@
-"""Gossip messages datacenter to datacenter: torch.distributed point-to-point over a two-rank gloo group per exchange.
+"""Gossip messages datacenter to datacenter: torch.distributed point-to-point over a two-rank gloo group per exchange,
+each exchange in a process of its own.
 
 Why gloo groups and not hivemind: crossdc's datacenters already run torch.distributed (their worker groups, the
 sync-dp baseline), gloo's point-to-point send/recv crosses the emulated links like any TCP traffic, and a pair group
-has no state beyond one exchange — nothing to repair after a failure. hivemind's averager is a group all-reduce; a
-ring or CHOCO exchange would use only its P2P layer, for a second engine and its daemon in every datacenter.
+has no state beyond one exchange. hivemind's averager is a group all-reduce; a ring or CHOCO exchange would use only
+its P2P layer, for a second engine and its daemon in every datacenter.
+
+Why processes: a meeting that fails part-way (a link cut between the two ends' probes, or inside the meeting) can
+leave the host's rendezvous store unable to serve later meetings (seen with torch's libuv and threaded store servers
+alike), and a gloo group that fails part-way leaves state behind in the process that built it. So the store runs in
+a process of its own, started again after a meeting it hosted hung past every timeout, and each exchange runs in a
+child process
+(forked from a server that has torch loaded already: milliseconds, not an import) that builds the group, exchanges,
+hands back what arrived and exits; a failed or stalled one is killed, and everything it held goes with it.
 
 Promises:
 
-- every datacenter hosts one rendezvous store (a torch ``TCPStore``) at its own address and port (:class:`GossipTransport`);
+- every datacenter hosts one rendezvous store (a torch ``TCPStore``) at its own address and port (:class:`GossipTransport`),
+  in a process of its own; after a round in which a meeting it hosted hung past every timeout (its process was
+  killed), the store is started afresh (with the replica it offers) before the next round;
 - an exchange between datacenters i < j in round r meets on i's store under the prefix ``gossip/r{r}/{i}-{j}``,
   builds a two-rank gloo group there (rank 0 is i) bound to the datacenter's own address (so in a namespace it
   crosses the emulated WAN device), swaps what each holds of the other's public copy, then each side's message
-  (a header, then the payload), and drops the group. Nothing outlives an exchange: a failure leaves nothing to
-  rebuild, and the next round meets afresh;
-- both ends must be at the same round to meet (the round is in the prefix); a neighbour that does not come, dies or
-  stalls within ``timeout_s`` makes :meth:`GossipTransport.exchange` return with the reason and no message: nobody
-  waits forever, and a message is returned whole or not at all;
+  (a header, then the payload), and drops the group with the process that built it. Nothing outlives an exchange:
+  a failure leaves nothing to rebuild, and the next round meets afresh;
+- both ends must be at the same round to meet (the round is in the prefix). Each end says on the meeting's store
+  that it has come, and waits for the other (an end that gives up says so too, so that one coming later does not
+  build a group with it); each datacenter's store also says the last round whose exchanges it
+  finished. An end whose neighbour finished this round already (it gave up on this meeting and went on) stops
+  waiting at once, so two datacenters a round apart meet again at the next round instead of each waiting a whole
+  timeout for the other's round. A neighbour that does not come, dies or stalls makes
+  :meth:`GossipTransport.exchange` return with the reason and no message within 3 × ``timeout_s`` (the meeting,
+  the swap, the payload): nobody waits forever, and a message is returned whole or not at all;
 - before meeting a neighbour, a datacenter checks that it can reach the neighbour's rendezvous store at all (a TCP
   connection within ``probe_s``, over the same link: one round trip); if not (a cut link, a dead datacenter), the
   exchange fails at once, so a cut costs each round a probe, not a whole timeout. If it can, the meeting gets the
   whole ``timeout_s`` (the neighbour may simply be a little behind). Both ends of a cut link probe each other, so
   they meet again the round the link is back; a datacenter whose last exchange with a neighbour failed counts it
   as *suspect* until one works (reported, nothing else changes);
+- after each round a datacenter offers its replica (the outer weights after the mix, in the wire format) on its own
+  store (:meth:`GossipTransport.publish`: the newest two rounds are kept, so the store holds up to two copies of the
+  model); a datacenter that restarts behind its neighbours asks them which round they offer
+  (:meth:`~GossipTransport.offered_round`) and takes the newest replica (:meth:`~GossipTransport.fetch_replica`),
+  each within ``timeout_s``, in a process of its own like an exchange;
 - the bytes of an exchange are its headers and payloads as sent (what gloo puts on the wire, less TCP/IP framing),
   and its time in flight is measured from the group's creation to the last payload received.
 """
@@ -29,12 +50,17 @@ Promises:
 from __future__ import annotations
 
 import logging
+import multiprocessing
+import multiprocessing.connection
+import multiprocessing.forkserver
+import multiprocessing.process
 import socket
 import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from datetime import timedelta
+from typing import Any
 
 import numpy as np
 import torch
@@ -50,6 +76,20 @@ _KIND_NAMES = {v: k for k, v in _KINDS.items()}
 _HEADER_WORDS = 5
 #: how long a datacenter tries to reach a neighbour's store before it gives up on it for the round
 PROBE_S = 1.5
+#: how long a datacenter tries to start its rendezvous store (the first start waits for the fork server's import of
+#: torch; a restart for the port a killed store held)
+STORE_START_S = 60.0
+#: the store keys of the replica a datacenter offers: the round, and the replica of a round under "replica/<round>"
+REPLICA_ROUND_KEY, REPLICA_KEY = "replica-round", "replica"
+#: the store key of the last round whose exchanges the datacenter finished
+DONE_ROUND_KEY = "done-round"
+#: why an exchange whose process did not answer in time failed
+DEADLINE_PASSED = "the exchange did not finish in time"
+#: how often an end that waits for its neighbour at a meeting looks again
+MEETING_POLL_S = 0.2
+#: the processes that run the exchanges fork from a server that has this module (so torch) loaded
+_CONTEXT = multiprocessing.get_context("forkserver")
+_CONTEXT.set_forkserver_preload([__name__])
 
 
 @dataclass(frozen=True)
@@ -65,30 +105,124 @@ class Exchanged:
     error: str | None = None
 
 
+class ExchangeFailed(RuntimeError):
+    """An exchange ended without the neighbour's message (the reason in one line); `after_meeting`: both ends had
+    come (it failed building the group or in a transfer), not before."""
+
+    def __init__(self, reason: str, after_meeting: bool = False) -> None:
+        super().__init__(reason)
+        self.after_meeting = after_meeting
+
+
 class GossipTransport:
     """This datacenter's end of the gossip exchanges (see the module docstring). `addresses` maps every datacenter's
     index to the (host, port) of its rendezvous store; this datacenter's own entry is where it hosts its store."""
 
     def __init__(self, index: int, addresses: dict[int, tuple[str, int]], timeout_s: float,
                  probe_s: float = PROBE_S) -> None:
-        self.index, self.addresses, self.timeout = index, dict(addresses), timedelta(seconds=timeout_s)
-        self.probe = timedelta(seconds=min(probe_s, timeout_s))
+        self.index, self.addresses, self.timeout_s = index, dict(addresses), timeout_s
+        self.probe_s = min(probe_s, timeout_s)
         #: the neighbours whose last exchange failed (see the module docstring)
         self.suspect: set[int] = set()
         host, port = addresses[index]
         self.host = host
-        #: one gloo device for every exchange (bound to this datacenter's address): a device per group would leave
-        #: a listener and a loop thread behind each failed exchange
-        self.device = dist.ProcessGroupGloo.create_device(hostname=host)
-        self.store: dist.TCPStore | None = self._host_store()
+        multiprocessing.forkserver.ensure_running()  # its start-up (an import of torch) is not a round's idle time
+        self._store: multiprocessing.process.BaseProcess | None = None
+        self._store_pipe: multiprocessing.connection.Connection | None = None
+        self._offer: tuple[int, np.ndarray] | None = None
+        self._done_round = 0
+        #: a meeting hosted here failed this round: the store starts afresh before the next one
+        self.store_suspect = False
+        self.store_restarts = 0
+        self._start_store()
 
-    def _host_store(self) -> dist.TCPStore:
+    def _start_store(self) -> None:
+        """Start the rendezvous store's process (trying for up to STORE_START_S while the port is still held)."""
         host, port = self.addresses[self.index]
-        return dist.TCPStore(host, port, None, True, timeout=self.timeout, wait_for_workers=False)
+        deadline = time.perf_counter() + STORE_START_S
+        while True:
+            ours, theirs = _CONTEXT.Pipe()
+            process = _CONTEXT.Process(target=_serve_store, args=(theirs, host, port, self.timeout_s),
+                                       name=f"gossip-store-{self.index}", daemon=True)
+            process.start()
+            theirs.close()
+            try:
+                _receive(ours, deadline)
+                break
+            except ExchangeFailed as err:
+                ours.close()
+                _reap(process)
+                if time.perf_counter() > deadline:
+                    raise RuntimeError(f"the gossip rendezvous store did not start at {host}:{port}: {err}") from None
+                time.sleep(0.2)
+        self._store, self._store_pipe = process, ours
+        ours.send(("done", self._done_round, None))
+        if self._offer is not None:
+            ours.send(("publish", *self._offer))
+
+    def _stop_store(self) -> None:
+        if self._store_pipe is not None:
+            self._store_pipe.close()
+        if self._store is not None:
+            _reap(self._store)
+        self._store = self._store_pipe = None
 
     def close(self) -> None:
         """Stop hosting the rendezvous store."""
-        self.store = None
+        self._stop_store()
+
+    def end_round(self, server_round: int) -> None:
+        """After round `server_round`'s exchanges: say so on the store, which starts afresh first if a meeting it
+        hosted failed (module docstring)."""
+        self._done_round = server_round
+        if self.store_suspect and self._store is not None:
+            log.info("a meeting hosted here failed: the rendezvous store starts afresh")
+            self._stop_store()
+            self._start_store()
+            self.store_restarts += 1
+        self.store_suspect = False
+        if self._store_pipe is not None:
+            self._store_pipe.send(("done", server_round, None))
+
+    def publish(self, server_round: int, payload: np.ndarray) -> None:
+        """Offer `payload` (this replica after `server_round`, in the wire format) to datacenters that rejoin."""
+        self._offer = (server_round, payload)
+        if self._store_pipe is not None:
+            self._store_pipe.send(("publish", server_round, payload))
+
+    def offered_round(self, peer: int) -> int | None:
+        """The round of the replica `peer` offers (None: it offers none, or cannot be reached within the timeout)."""
+        try:
+            return self._ask_store(peer, None)
+        except ExchangeFailed as err:
+            log.info("datacenter %d offers no replica: %s", peer, err)
+            return None
+
+    def fetch_replica(self, peer: int, server_round: int) -> np.ndarray | None:
+        """The replica `peer` offers for `server_round` (wire format; None: not within the timeout, or gone)."""
+        try:
+            return self._ask_store(peer, server_round)
+        except ExchangeFailed as err:
+            log.info("datacenter %d's replica of round %d not fetched: %s", peer, server_round, err)
+            return None
+
+    def _ask_store(self, peer: int, server_round: int | None) -> Any:
+        started = time.perf_counter()
+        try:
+            with socket.create_connection(self.addresses[peer], timeout=self.probe_s):
+                pass
+        except OSError as err:
+            raise ExchangeFailed(f"unreachable: {err}") from None
+        ours, theirs = _CONTEXT.Pipe()
+        child = _CONTEXT.Process(target=_read_offer, args=(theirs, self.addresses[peer], self.timeout_s, server_round),
+                                 name=f"gossip-offer-{peer}", daemon=True)
+        try:
+            child.start()
+            theirs.close()
+            return _receive(ours, started + self.timeout_s + self.probe_s)
+        finally:
+            ours.close()
+            _reap(child)
 
     def exchange(self, server_round: int, peer: int, message_for: Callable[[int], GossipMessage | None],
                  held_of_peer: int) -> Exchanged:
@@ -97,69 +231,199 @@ class GossipTransport:
         receive its message. Never raises for the peer's or the link's failure: the reason is in ``error``."""
         started = time.perf_counter()
         sent = received = 0
-        group = None
+        child = None
+        ours, theirs = _CONTEXT.Pipe()
         try:
             # can the link reach the neighbour at all? if not, give up on it for this round now
-            with socket.create_connection(self.addresses[peer], timeout=self.probe.total_seconds()):
+            with socket.create_connection(self.addresses[peer], timeout=self.probe_s):
                 pass
             low, high = sorted((self.index, peer))
-            host, port = self.addresses[low]
-            # a client of its own per exchange, also to this datacenter's own store
-            store = dist.TCPStore(host, port, None, False, timeout=self.timeout, wait_for_workers=False)
-            options = dist.ProcessGroupGloo._Options()
-            options._devices = [self.device]
-            options._timeout = self.timeout
-            rank = 0 if self.index == low else 1
-            group = dist.ProcessGroupGloo(dist.PrefixStore(f"gossip/r{server_round}/{low}-{high}", store), rank, 2,
-                                          options)
-            met = time.perf_counter()
-            theirs = self._swap(group, rank, torch.tensor([server_round, held_of_peer], dtype=torch.int64))
+            meeting = {"store": self.addresses[low], "peer_store": self.addresses[peer],
+                       "prefix": f"gossip/r{server_round}/{low}-{high}",
+                       "rank": 0 if self.index == low else 1, "hostname": self.host, "timeout_s": self.timeout_s,
+                       "round": server_round, "held_of_peer": held_of_peer}
+            child = _CONTEXT.Process(target=_meet, args=(theirs, meeting), name=f"gossip-{self.index}-{peer}",
+                                     daemon=True)
+            child.start()
+            theirs.close()
+            deadline = started + 3 * self.timeout_s + self.probe_s
+            holds = _receive(ours, deadline)
             sent += 16
             received += 16
-            if int(theirs[0]) != server_round:
-                raise RuntimeError(f"the peer is at round {int(theirs[0])}")
-            message = message_for(int(theirs[1]))
-            header = (torch.tensor([1, _KINDS[message.kind], message.version,
-                                    -1 if message.base is None else message.base, message.nbytes], dtype=torch.int64)
-                      if message is not None else torch.zeros(_HEADER_WORDS, dtype=torch.int64))
-            their_header = self._swap(group, rank, header)
-            sent += 8 * _HEADER_WORDS
-            received += 8 * _HEADER_WORDS
-            payload = torch.from_numpy(np.ascontiguousarray(message.payload)) if message is not None else None
-            incoming = torch.empty(int(their_header[4]), dtype=torch.uint8) if int(their_header[0]) else None
-            self._transfer(group, rank, payload, incoming)
-            sent += 0 if payload is None else payload.numel()
-            received += 0 if incoming is None else incoming.numel()
+            message = message_for(int(holds))
+            ours.send(None if message is None else (_KINDS[message.kind], message.version, message.base,
+                                                    np.ascontiguousarray(message.payload)))
+            header, payload, in_flight_s = _receive(ours, deadline)
+            sent += 8 * _HEADER_WORDS + (0 if message is None else message.nbytes)
+            received += 8 * _HEADER_WORDS + (0 if payload is None else payload.size)
             arrived = None
-            if incoming is not None:
-                base = int(their_header[3])
-                arrived = GossipMessage(peer, server_round, _KIND_NAMES[int(their_header[1])], int(their_header[2]),
-                                        None if base < 0 else base, incoming.numpy())
+            if payload is not None:
+                kind, version, base = header
+                arrived = GossipMessage(peer, server_round, _KIND_NAMES[kind], version, None if base < 0 else base,
+                                        payload)
             self.suspect.discard(peer)
-            return Exchanged(peer, arrived, sent, received, time.perf_counter() - met)
+            return Exchanged(peer, arrived, sent, received, in_flight_s)
         except Exception as err:  # noqa: BLE001 - a failed exchange is a missing neighbour, never a crash
-            reason = f"{type(err).__name__}: {str(err).splitlines()[0] if str(err) else ''}"[:300]
+            reason = (str(err) if isinstance(err, ExchangeFailed)
+                      else f"{type(err).__name__}: {str(err).splitlines()[0] if str(err) else ''}")[:300]
             log.info("round %d: exchange with datacenter %d failed: %s", server_round, peer, reason)
             self.suspect.add(peer)
+            if self.index < peer and str(err) == DEADLINE_PASSED:  # a meeting on this store hung past every timeout
+                self.store_suspect = True
             return Exchanged(peer, None, sent, received, time.perf_counter() - started, reason)
         finally:
-            del group
+            ours.close()
+            if child is not None:
+                _reap(child)
 
-    def _swap(self, group: dist.ProcessGroup, rank: int, mine: torch.Tensor) -> torch.Tensor:
-        theirs = torch.empty_like(mine)
-        self._transfer(group, rank, mine, theirs)
-        return theirs
 
-    def _transfer(self, group: dist.ProcessGroup, rank: int, outgoing: torch.Tensor | None,
-                  incoming: torch.Tensor | None) -> None:
-        """Send `outgoing` and receive into `incoming` at once (either may be None), within the timeout."""
-        works = []
-        if outgoing is not None:
-            works.append(group.send([outgoing], 1 - rank, 0))
-        if incoming is not None:
-            works.append(group.recv([incoming], 1 - rank, 0))
-        for work in works:
-            work.wait(self.timeout)
+def _reap(child: multiprocessing.process.BaseProcess) -> None:
+    """Wait a moment for an exchange process to end, then kill it (with whatever it held)."""
+    child.join(1.0)
+    if child.is_alive():
+        child.kill()
+        child.join()
+    child.close()
+
+
+def _serve_store(connection: multiprocessing.connection.Connection, host: str, port: int, timeout_s: float) -> None:
+    """The rendezvous store's process: hosts the store, says ("ready", None) (or ("error", reason)), then keeps
+    the replica offered with each ("publish", round, payload) (the newest two rounds) until the parent goes."""
+    try:
+        store = dist.TCPStore(host, port, None, True, timeout=timedelta(seconds=timeout_s), wait_for_workers=False)
+    except Exception as err:  # noqa: BLE001 - the parent reports it
+        connection.send(("error", f"{type(err).__name__}: {str(err).splitlines()[0] if str(err) else ''}"[:300]))
+        return
+    connection.send(("ready", None))
+    offered: list[int] = []
+    while True:
+        try:
+            word, server_round, payload = connection.recv()
+        except (EOFError, OSError):
+            return  # the datacenter's trainer is gone (or stopped hosting)
+        if word == "done":
+            store.set(DONE_ROUND_KEY, str(server_round))
+            continue
+        store.set(f"{REPLICA_KEY}/{server_round}", payload.tobytes())
+        store.set(REPLICA_ROUND_KEY, str(server_round))
+        offered.append(server_round)
+        while len(offered) > 2:
+            store.delete_key(f"{REPLICA_KEY}/{offered.pop(0)}")
+
+
+def _read_offer(connection: multiprocessing.connection.Connection, address: tuple[str, int], timeout_s: float,
+                server_round: int | None) -> None:
+    """The process that reads a neighbour's offer: the round it offers (`server_round` None; None if it offers
+    none) or that round's replica as uint8 (None if gone), as ("done", value); a failure as ("error", reason)."""
+    try:
+        store = dist.TCPStore(address[0], address[1], None, False, timeout=timedelta(seconds=timeout_s),
+                              wait_for_workers=False)
+        if server_round is None:
+            value: Any = int(store.get(REPLICA_ROUND_KEY)) if store.check([REPLICA_ROUND_KEY]) else None
+        else:
+            key = f"{REPLICA_KEY}/{server_round}"
+            value = np.frombuffer(store.get(key), np.uint8).copy() if store.check([key]) else None
+        connection.send(("done", value))
+    except Exception as err:  # noqa: BLE001 - the parent reports it
+        connection.send(("error", f"{type(err).__name__}: {str(err).splitlines()[0] if str(err) else ''}"[:300]))
+
+
+def _receive(connection: multiprocessing.connection.Connection, deadline: float) -> Any:
+    """The exchange process's next word: its value, or ExchangeFailed with its reason (or with the deadline's)."""
+    if not connection.poll(max(0.0, deadline - time.perf_counter())):
+        raise ExchangeFailed(DEADLINE_PASSED)
+    try:
+        word, value = connection.recv()
+    except EOFError as err:
+        raise ExchangeFailed("the exchange process ended without a word") from err
+    if word in ("error", "broken"):
+        raise ExchangeFailed(value, after_meeting=word == "broken")
+    return value
+
+
+def _meet(connection: multiprocessing.connection.Connection, meeting: dict[str, Any]) -> None:
+    """The exchange process (see the module docstring): meets the neighbour, sends the parent what the neighbour
+    holds ("holds"), takes the message to send (kind, version, base, payload; or None), and sends back the
+    neighbour's ("done": its header, its payload or None, the seconds in flight); any failure as ("error", reason)."""
+    met = False
+    try:
+        timeout = timedelta(seconds=meeting["timeout_s"])
+        host, port = meeting["store"]
+        store = dist.TCPStore(host, port, None, False, timeout=timeout, wait_for_workers=False)
+        options = dist.ProcessGroupGloo._Options()
+        options._devices = [dist.ProcessGroupGloo.create_device(hostname=meeting["hostname"])]
+        options._timeout = timeout
+        rank = meeting["rank"]
+        _wait_for_peer(store, meeting, timeout)
+        met = True
+        group = dist.ProcessGroupGloo(dist.PrefixStore(meeting["prefix"], store), rank, 2, options)
+        met = time.perf_counter()
+        theirs = _swap(group, rank, torch.tensor([meeting["round"], meeting["held_of_peer"]], dtype=torch.int64), timeout)
+        if int(theirs[0]) != meeting["round"]:
+            raise ExchangeFailed(f"the peer is at round {int(theirs[0])}")
+        connection.send(("holds", int(theirs[1])))
+        message = connection.recv()
+        header = (torch.tensor([1, message[0], message[1], -1 if message[2] is None else message[2], message[3].size],
+                               dtype=torch.int64) if message is not None else torch.zeros(_HEADER_WORDS, dtype=torch.int64))
+        their_header = _swap(group, rank, header, timeout)
+        payload = torch.from_numpy(message[3]) if message is not None else None
+        incoming = torch.empty(int(their_header[4]), dtype=torch.uint8) if int(their_header[0]) else None
+        _transfer(group, rank, payload, incoming, timeout)
+        in_flight_s = time.perf_counter() - met
+        connection.send(("done", ((int(their_header[1]), int(their_header[2]), int(their_header[3])),
+                                  None if incoming is None else incoming.numpy(), in_flight_s)))
+    except Exception as err:  # noqa: BLE001 - the parent reports it
+        connection.send(("broken" if met else "error",
+                         f"{type(err).__name__}: {str(err).splitlines()[0] if str(err) else ''}"[:300]))
+
+
+def _wait_for_peer(store: dist.TCPStore, meeting: dict[str, Any], timeout: timedelta) -> None:
+    """Say on the meeting's store that this end has come, and return once the other has; ExchangeFailed when the
+    neighbour finished this round without this meeting, gave up on it, or does not come within the timeout."""
+    prefix, rank = meeting["prefix"], meeting["rank"]
+    store.set(f"{prefix}/here/{rank}", "1")
+    try:
+        _await_peer(store, meeting, timeout)
+    except ExchangeFailed:
+        store.set(f"{prefix}/gone/{rank}", "1")  # a peer that comes later must not wait for this end
+        raise
+    if store.check([f"{prefix}/gone/{1 - rank}"]):
+        raise ExchangeFailed("the peer gave up on this meeting as it came")
+
+
+def _await_peer(store: dist.TCPStore, meeting: dict[str, Any], timeout: timedelta) -> None:
+    prefix, rank, server_round = meeting["prefix"], meeting["rank"], meeting["round"]
+    if rank == 1:
+        peer_store = store  # the host's store is the meeting's
+    else:
+        host, port = meeting["peer_store"]
+        peer_store = dist.TCPStore(host, port, None, False, timeout=timeout, wait_for_workers=False)
+    deadline = time.perf_counter() + timeout.total_seconds()
+    while not store.check([f"{prefix}/here/{1 - rank}"]):
+        done = int(peer_store.get(DONE_ROUND_KEY)) if peer_store.check([DONE_ROUND_KEY]) else 0
+        if done >= server_round:
+            raise ExchangeFailed(f"the peer finished round {done} without this meeting")
+        if time.perf_counter() > deadline:
+            raise ExchangeFailed(f"the peer did not come within {timeout.total_seconds():g}s")
+        time.sleep(MEETING_POLL_S)
+
+
+def _swap(group: dist.ProcessGroup, rank: int, mine: torch.Tensor, timeout: timedelta) -> torch.Tensor:
+    theirs = torch.empty_like(mine)
+    _transfer(group, rank, mine, theirs, timeout)
+    return theirs
+
+
+def _transfer(group: dist.ProcessGroup, rank: int, outgoing: torch.Tensor | None, incoming: torch.Tensor | None,
+              timeout: timedelta) -> None:
+    """Send `outgoing` and receive into `incoming` at once (either may be None), within the timeout."""
+    works = []
+    if outgoing is not None:
+        works.append(group.send([outgoing], 1 - rank, 0))
+    if incoming is not None:
+        works.append(group.recv([incoming], 1 - rank, 0))
+    for work in works:
+        work.wait(timeout)
 
 
 def exchange_all(transport: GossipTransport, server_round: int, peers: list[int],
@@ -180,4 +444,5 @@ def exchange_all(transport: GossipTransport, server_round: int, peers: list[int]
         thread.start()
     for thread in threads:
         thread.join()
+    transport.end_round(server_round)
     return results

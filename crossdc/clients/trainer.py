@@ -29,17 +29,19 @@ import signal
 import subprocess
 import sys
 import time
+from collections.abc import Mapping
 from multiprocessing.connection import Listener
 from pathlib import Path
 from typing import Any, TypeVar
 
+import numpy as np
 import torch
 import torch.distributed as dist
 
 from crossdc import protocol as proto
 from crossdc.clients.channel import serve_requests
 from crossdc.clients.gossip_agent import GossipAgent, GossipFailed, RoundReport
-from crossdc.clients.gossip_replica import GossipReplica
+from crossdc.clients.gossip_replica import GossipReplica, dense_payload
 from crossdc.clients.gossip_transport import GossipTransport, exchange_all
 from crossdc.clients.local_round import run_local_round
 from crossdc.clients.local_training import LocalTrainer
@@ -48,6 +50,7 @@ from crossdc.clients.streaming_replica import SentUpdate, StreamingReplica, sent
 from crossdc.clients.streaming_worker import StreamingFailed, StreamingWorker
 from crossdc.clients.worker import GROUP_TIMEOUT, GroupTrainer, backend, build_rank, use_device
 from crossdc.compression.downlink import DownlinkOutOfSync, receive
+from crossdc.compression.uplink import decode_arrays
 from crossdc.compression.wire import CodecError
 from crossdc.experiment.builders import datacenter_seed, initial_model
 from crossdc.experiment.config import parse_config
@@ -176,7 +179,8 @@ class DatacenterTrainer:
         op = request.get("op")
         if op == proto.PING_OP:
             return {"ok": True, "pid": os.getpid(), "worker_pids": self.worker_pids(), "datacenter": self.datacenter,
-                    "run_id": self.run_id, "last_round": self.last_round, "group_start_s": self.group_start_s}
+                    "run_id": self.run_id, "last_round": self.last_round, "group_start_s": self.group_start_s,
+                    "gossip_round": self.gossip.replica.server_round if self.gossip is not None else None}
         if op == proto.TRAIN_OP:
             return self._train(request)
         if op == proto.STREAM_OP:
@@ -203,11 +207,22 @@ class DatacenterTrainer:
                 return {"ok": True, "final": final, "finished": True, "metrics": metrics}
             if request.action == proto.GOSSIP_START:
                 return {"ok": True, "reports": [], "finished": False, "metrics": metrics}
-            reports, snapshots, finished = self.gossip.reports(request.acknowledged, request.wait_s)
+            reports, snapshots, finished = self.gossip.reports(request.acknowledged, request.wait_s, request.received)
         except (GossipFailed, TimeoutError, StrategyError, StateStoreError) as err:
             return {"ok": False, "error": f"{self.datacenter}: {err}".splitlines()[0]}
         return {"ok": True, "reports": [r.to_dict() for r in reports], "snapshots": snapshots, "finished": finished,
                 "metrics": metrics}
+
+    def resume_gossip(self) -> None:
+        """A trainer started again in the middle of a gossip run goes on at once from the replica it saved (and
+        rejoins its neighbours from theirs if they are ahead), without waiting for the coordinator's next message."""
+        strategy = self.strategy
+        if not isinstance(strategy, Gossip) or self.gossip is not None or self.store.load(GOSSIP_STATE_KEY) is None:
+            return
+        try:
+            self.gossip = self._start_gossip(strategy, resume_only=True)
+        except (StrategyError, StateStoreError) as err:
+            log.warning("%s: the gossip replica does not resume (%s); waiting for the coordinator", self.datacenter, err)
 
     def _start_gossip(self, strategy: Gossip, resume_only: bool) -> GossipAgent:
         """The replica's agent: on the run's initial weights, or on the state saved after the last round it did (a
@@ -239,9 +254,26 @@ class DatacenterTrainer:
         def save(server_round: int, state: dict[str, Any]) -> None:
             self.store.save(GOSSIP_STATE_KEY, state, server_round)
 
+        def publish(server_round: int, weights: Mapping[str, np.ndarray]) -> None:
+            transport.publish(server_round, dense_payload(weights))
+
+        def rejoin(had: int) -> tuple[int, dict[str, np.ndarray], str] | None:
+            """The newest replica a neighbour offers, if newer than round `had` (a trainer restarted behind them)."""
+            offers = {peer: transport.offered_round(peer) for peer in sorted(set(range(len(names))) - {index})}
+            for peer, offered in sorted(offers.items(), key=lambda item: -(item[1] or -1)):
+                if offered is None or offered <= had:
+                    break
+                payload = transport.fetch_replica(peer, offered)
+                if payload is not None:
+                    log.info("%s: rejoining at round %d from %s's replica (had round %d)", self.datacenter, offered,
+                             names[peer], had)
+                    transport.end_round(offered)  # the rounds up to it are done here: nobody waits for them
+                    return offered, decode_arrays(payload, replica.outer), names[peer]
+            return None
+
         return GossipAgent(replica, rounds, functools.partial(exchange_all, transport),
                            observe=lambda r: r % every == 0 or r == rounds, save=save, pending=pending,
-                           snapshots=snapshots)
+                           snapshots=snapshots, publish=publish, rejoin=rejoin if stored is not None else None)
 
     def _stream(self, message: dict[str, Any]) -> dict[str, Any]:
         """One message of a streaming run: the first starts the replica's thread on the run's initial weights (the
@@ -398,6 +430,7 @@ def serve(run_dir: RunDir, datacenter: str) -> None:
     """Serve requests until SIGTERM/SIGINT."""
     torch.set_num_threads(max(1, int(os.environ.get("CROSSDC_TRAINER_THREADS", "1"))))
     handler = DatacenterTrainer(run_dir, datacenter)
+    handler.resume_gossip()
     socket_path = run_dir.trainer_socket(datacenter)
     socket_path.unlink(missing_ok=True)
     listener = Listener(str(socket_path), family="AF_UNIX", authkey=run_dir.authkey())

@@ -692,6 +692,16 @@ class RunLog:
         if message is not None:
             raise DatabaseUnavailable(message)
 
+    def mark(self) -> int:
+        """A mark of every record made before this call, for :meth:`written`."""
+        with self._cond:
+            return self._enqueued
+
+    def written(self, mark: int) -> bool:
+        """Whether every record made before `mark` was taken is written (or rejected by the database): never blocks."""
+        with self._cond:
+            return self._done >= mark
+
     def flush(self, timeout: float | None = None) -> None:
         """Block until every record made before this call is written.
 

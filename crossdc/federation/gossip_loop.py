@@ -15,14 +15,21 @@ Promises:
   an observed round, from the snapshots; estimated from the sketches on the others), a ``link_rounds`` row per link
   and direction, and a ``rounds`` row (the mean consensus distance, and on an observed round the average replica's
   validation loss); each replica's own validation loss on an observed round goes to a ``replica-losses`` event;
-- what a datacenter reported is acknowledged in its next message, and only then forgotten there: a coordinator that
-  was away (a ServerApp restarted) catches up on every round it missed;
+- what a datacenter reported is acknowledged in its next message once the round's rows are written to the run log
+  (and the coordinator's progress file, ``gossip-progress.json`` in the run folder, says so), and only then
+  forgotten there: a coordinator that was away (a ServerApp killed and started again: attempt 2 and on) goes on from
+  its progress file, forgets what it logged after it, and catches up on every round it missed; the datacenters
+  never stop training meanwhile;
+- a datacenter whose SuperNode restarts is found under its new node id; one that was down and rejoined from a
+  neighbour's replica skips the rounds in between: they get a ``failed`` row for it (the reason says from whom it
+  rejoined, also in a ``gossip-rejoined`` event), and the next rounds count it again;
 - at the end, a ``final`` message brings each replica's final weights: the run's model is their plain average (saved
   as the run's final weights, with every replica beside it) and the summary reports both.
 """
 
 from __future__ import annotations
 
+import json
 import logging
 import time
 from collections.abc import Mapping
@@ -37,7 +44,7 @@ from crossdc.db.records import DatacenterRoundRecord
 from crossdc.db.runlog import RunLog
 from crossdc.experiment.config import ExperimentConfig
 from crossdc.experiment.rundir import RunDir
-from crossdc.federation.grid_io import FederationError, Reply, collect_replies
+from crossdc.federation.grid_io import FederationError, Reply, collect_replies, rediscover
 from crossdc.federation.server_checkpoint import SETTINGS_ATTEMPT
 from crossdc.federation.sync_loop import start_session
 from crossdc.protocol import CONFIG_KEY, PayloadError, decode_gossip_reply
@@ -49,17 +56,24 @@ log = logging.getLogger("crossdc.federation")
 
 #: how long a datacenter's trainer may hold a report message before it answers with nothing new
 REPORT_WAIT_S = 5.0
+#: how long the coordinator waits for report replies beyond that (a ClientApp's start): a datacenter that is down
+#: delays the others' reports by this much, and nothing is lost by a reply that comes too late (it is asked again)
+REPORT_GRACE_S = 25.0
+#: the coordinator's progress, in the run folder: the last round whose rows are written, and the run's byte totals
+PROGRESS_FILE = "gossip-progress.json"
 #: the file beside the run's final weights holding every replica's (one .npz, tensors named "<datacenter>/<name>")
 REPLICAS_FILE = "final-replicas.npz"
 
 
 def _ask(grid: Grid, nodes: Mapping[str, int], action: str, run_id: str, run_dir: RunDir, attempt: int,
-         acknowledged: Mapping[str, int], wait_s: float, timeout_s: float) -> dict[str, Reply]:
+         acknowledged: Mapping[str, int], wait_s: float, timeout_s: float,
+         received: Mapping[str, int] | None = None) -> dict[str, Reply]:
     """One gossip message to every datacenter, and the replies that came within `timeout_s`, by datacenter."""
     messages = {}
     for name, node in nodes.items():
         config = protocol.gossip_config(action=action, run_id=run_id, run_dir=str(run_dir.path), datacenter=name,
-                                        acknowledged=acknowledged.get(name, 0), wait_s=wait_s, attempt=attempt)
+                                        acknowledged=acknowledged.get(name, 0), wait_s=wait_s, attempt=attempt,
+                                        received=None if received is None else received.get(name, 0))
         messages[name] = Message(RecordDict({CONFIG_KEY: ConfigRecord(config)}), dst_node_id=node,
                                  message_type=MessageType.TRAIN, ttl=timeout_s)
     ids = list(grid.push_messages(list(messages.values())))
@@ -84,22 +98,35 @@ def run_gossip(grid: Grid, run_dir: RunDir, run_id: str, config: ExperimentConfi
     attempt = int(run_dir.settings().get(SETTINGS_ATTEMPT, 1))
     timeout_s = config.run.round_timeout_s
     run_started = time.perf_counter()
+    progress_file = run_dir.path / PROGRESS_FILE
+    progress = json.loads(progress_file.read_text()) if attempt > 1 and progress_file.exists() else {}
+    logged = int(progress.get("logged", 0))
+    totals = {"bytes_up": 0, "bytes_down": 0, **progress.get("totals", {})}
+    if attempt > 1:  # the coordinator was away: what it logged after its progress file is logged again
+        runlog.forget_rounds_after(run_id=run_id, round=logged)
+        runlog.log_event(run_id=run_id, kind="coordinator-restarted", round=logged, detail={"attempt": attempt})
+    # a start message to a datacenter whose replica runs already (a restarted coordinator's) changes nothing there
     started = _ask(grid, nodes, protocol.GOSSIP_START, run_id, run_dir, attempt, {}, 0.0, timeout_s)
     refused = {name: _error(started[name]) or "" for name in names if name not in started or _error(started[name])}
     if refused:
         raise FederationError("gossip could not start on " + "; ".join(f"{n}: {why or 'no reply'}" for n, why in
                                                                         sorted(refused.items())))
-    runlog.log_event(run_id=run_id, kind="gossip-started", round=0,
-                     detail={"topology": strategy.params["topology"], "datacenters": names})
-    acknowledged = dict.fromkeys(names, 0)
+    if attempt == 1:
+        runlog.log_event(run_id=run_id, kind="gossip-started", round=0,
+                         detail={"topology": strategy.params["topology"], "datacenters": names})
+    seen_nodes = set(nodes.values())
+    #: by datacenter, the last round the coordinator took from it (acknowledged once written)
+    taken = dict.fromkeys(names, logged)
+    acknowledged = dict.fromkeys(names, logged)
+    marks: list[tuple[int, int, dict[str, int]]] = []  # (round, the run log's mark after its rows, totals then)
     reports: dict[int, dict[str, dict[str, Any]]] = {}
     snapshots: dict[int, dict[str, dict[str, np.ndarray]]] = {}
+    rejoined: dict[str, int] = {}  # datacenter → the round it rejoined at (it has no report of the rounds before)
     last_news = dict.fromkeys(names, time.monotonic())
-    logged = 0
-    totals = {"bytes_up": 0, "bytes_down": 0}
     while logged < config.run.rounds:
+        rediscover(grid, nodes, seen_nodes, config, runlog, run_id, logged + 1)
         replies = _ask(grid, nodes, protocol.GOSSIP_REPORT, run_id, run_dir, attempt, acknowledged, REPORT_WAIT_S,
-                       REPORT_WAIT_S + timeout_s)
+                       REPORT_WAIT_S + REPORT_GRACE_S, received=taken)
         for name, reply in replies.items():
             error = _error(reply)
             if error is not None:
@@ -113,25 +140,46 @@ def run_gossip(grid: Grid, run_dir: RunDir, run_id: str, config: ExperimentConfi
                                  detail=str(err))
                 continue
             for report in filed:
+                if int(report["round"]) <= logged:
+                    continue  # logged already (a restarted coordinator asks from its progress file)
                 reports.setdefault(int(report["round"]), {})[name] = report
+                back = report.get("rejoined")
+                if back and rejoined.get(name) != int(back["at_round"]):  # (a report comes again until acknowledged)
+                    rejoined[name] = int(back["at_round"])
+                    runlog.log_event(run_id=run_id, kind="gossip-rejoined", round=int(report["round"]),
+                                     datacenter=name, detail=back)
             for server_round, weights in pictures.items():
-                snapshots.setdefault(server_round, {})[name] = weights
+                if server_round > logged:
+                    snapshots.setdefault(server_round, {})[name] = weights
             if filed:
-                acknowledged[name] = max(acknowledged[name], max(int(r["round"]) for r in filed))
+                taken[name] = max(taken[name], max(int(r["round"]) for r in filed))
                 last_news[name] = time.monotonic()
         while logged < config.run.rounds:
             server_round = logged + 1
             have = reports.get(server_round, {})
-            silent = [n for n in names if n not in have and time.monotonic() - last_news[n] > timeout_s]
-            if len(have) + len(silent) < len(names):
+            # down: rejoined from a neighbour after this round, so it has no report of it
+            down = [n for n in names if n not in have and rejoined.get(n, 0) >= server_round]
+            silent = [n for n in names if n not in have and n not in down and time.monotonic() - last_news[n] > timeout_s]
+            if len(have) + len(silent) + len(down) < len(names):
                 break
             if not have:
                 raise FederationError(f"round {server_round}: no datacenter reported for {timeout_s:g}s")
             _log_round(session, runlog, run_id, strategy, server_round, have, snapshots.pop(server_round, {}), silent,
                        totals, timeout_s)
+            for name in down:
+                runlog.log_datacenter_round(run_id=run_id, round=server_round, datacenter=name,
+                                            record=DatacenterRoundRecord(status="failed", reason=(
+                                                f"down; rejoined at round {rejoined[name]} from a neighbour's replica")))
             reports.pop(server_round, None)
             logged = server_round
+            marks.append((logged, runlog.mark(), dict(totals)))
             session.check_run_log(f"round-{server_round}")
+        written = [(r, then) for r, mark, then in marks if runlog.written(mark)]
+        if written:  # acknowledge what is in the run log, and say so in the progress file
+            durable, then = written[-1]
+            marks = [entry for entry in marks if entry[0] > durable]
+            progress_file.write_text(json.dumps({"logged": durable, "totals": then}))
+            acknowledged = {name: min(taken[name], durable) for name in names}
     finals = _ask(grid, nodes, protocol.GOSSIP_FINAL, run_id, run_dir, attempt, acknowledged, 0.0, timeout_s)
     replicas: dict[str, dict[str, np.ndarray]] = {}
     for name, reply in finals.items():

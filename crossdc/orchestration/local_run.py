@@ -11,13 +11,18 @@ links).
 Promises: every process it starts (trainers, SuperLink, SuperNodes and what
 Flower spawns under them) is stopped when the run ends — on success, on error
 and on Ctrl-C — and the run's row in SQL ends as finished, failed or
-interrupted, never "running". The same ServerApp/ClientApp code runs under
+interrupted, never "running". A gossip run's coordinator is off the training
+path: if its ServerApp dies without recording the run's end (killed), the run
+submits the app again (attempt 2 and on; at most MAX_COORDINATOR_RESTARTS
+times), which catches up on what the datacenters trained meanwhile
+(crossdc.federation.gossip_loop). The same ServerApp/ClientApp code runs under
 Flower's Deployment Engine (``engine="deployment"``) and its simulation
 (``engine="simulation"``).
 """
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import json
 import logging
@@ -52,6 +57,7 @@ from crossdc.experiment.processes import (
     free_port,
     is_running,
     kill_processes_with_env,
+    processes_with_env,
     venv_bin,
     wait_for_port,
 )
@@ -70,6 +76,8 @@ GOSSIP_PORT = 29700
 #: how often Flower's own run status is checked, and how long SQL may lag behind Flower's "finished"
 FLOWER_CHECK_S = 10.0
 FLOWER_END_GRACE_S = 5.0
+#: how many times a gossip run submits its ServerApp again after it died
+MAX_COORDINATOR_RESTARTS = 3
 FLOWER_APP_TEMPLATE = Path(__file__).with_name("flower_app") / "pyproject.toml"
 
 ProgressCallback = Callable[[list[dict[str, Any]]], None]
@@ -124,6 +132,13 @@ EMULATOR_NAMESPACES = "delay-line"
 EMULATOR_RELAY = "relay"
 
 
+def _command_line(pid: int) -> str:
+    try:
+        return Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace")
+    except OSError:
+        return ""
+
+
 def run_env(run_dir: RunDir) -> dict[str, str]:
     """Environment for the run's processes: Flower's (processes.flower_env) with the run's FLWR_HOME, one thread per
     process, and a marker (CROSSDC_RUN_DIR) that every process Flower spawns inherits, so clean-up can find them all."""
@@ -148,6 +163,9 @@ class LocalRun:
         self.emulator: str | None = None  # EMULATOR_NAMESPACES or EMULATOR_RELAY for a local deployment run
         self.faults_done: set[int] = set()
         self.started_at = time.time()
+        #: a killed ServerApp (kill_coordinator) is not submitted again before this time (monotonic)
+        self.coordinator_away_until = 0.0
+        self.coordinator_restarts = 0
 
     # --------------------------------------------------------------- set-up
     def prepare(self) -> None:
@@ -283,6 +301,32 @@ class LocalRun:
         if self.processes.find(f"supernode-{name}") is None:
             self._start_supernode(name)
 
+    @property
+    def gossip(self) -> bool:
+        """Whether the run's strategy is decentralized gossip (its coordinator only observes)."""
+        return strategy_class(self.config.strategy.name).loop == "gossip"
+
+    def kill_coordinator(self, away_s: float = 0.0) -> list[int]:
+        """SIGKILL the run's ServerApp (what a crash of the coordinator's machine does to it; the SuperLink and the
+        datacenters live on) and keep it away for `away_s` seconds: a gossip run then submits it again and it
+        catches up; any other run fails. Returns the pids killed."""
+        pids = [pid for pid in processes_with_env(RUN_MARKER_ENV, str(self.run_dir.path))
+                if "flwr-serverapp" in _command_line(pid)]
+        for pid in pids:
+            with contextlib.suppress(OSError):
+                os.kill(pid, signal.SIGKILL)
+        self.coordinator_away_until = time.monotonic() + away_s
+        log.warning("coordinator killed (ServerApp pids %s), away for %.0f s", pids, away_s)
+        return pids
+
+    def _restart_coordinator(self) -> int:
+        """Submit the run's app again as its next attempt (see the module docstring); Flower's new run id."""
+        self.coordinator_restarts += 1
+        attempt = int(self.run_dir.settings().get(SETTINGS_ATTEMPT, 1)) + 1
+        self.run_dir.update_settings({SETTINGS_ATTEMPT: attempt})
+        log.warning("the ServerApp died: submitting it again (attempt %d)", attempt)
+        return self.submit()
+
     def write_flower_app(self, superlink_address: str, root_certificates: Path | None = None) -> None:
         """The Flower app folder and the federation (`crossdc` → `superlink_address`, TLS verified against
         `root_certificates` if given) that `flwr run` submits to."""
@@ -371,6 +415,18 @@ class LocalRun:
                     status, details = self.flower_status(control, flower_run_id)
                     if status.startswith("finished") and flower_ended_at is None:  # e.g. "finished:failed"
                         flower_ended_at = time.monotonic()
+                    if (flower_ended_at is not None and time.monotonic() - flower_ended_at > FLOWER_END_GRACE_S
+                            and self.gossip and self.coordinator_restarts < MAX_COORDINATOR_RESTARTS):
+                        try:
+                            run = get_run(engine, self.run_id)
+                        except OperationalError:
+                            run = None  # the database does not answer: decide at the next check
+                            flower_ended_at = time.monotonic()
+                        if run and run["status"] == "running":  # killed: it recorded no end
+                            if time.monotonic() < self.coordinator_away_until:
+                                continue
+                            flower_run_id, flower_ended_at = self._restart_coordinator(), None
+                            continue
                     if flower_ended_at is not None and time.monotonic() - flower_ended_at > FLOWER_END_GRACE_S:
                         raise RunFailed(f"the ServerApp ended ({status}: {details}) without recording the end of run "
                                         f"{self.run_id}; see {self.run_dir.logs / 'superlink.log'}")
@@ -427,7 +483,7 @@ class LocalRun:
     # --------------------------------------------------------------- driver
     def execute(self) -> LocalRunResult:
         """Run the experiment to its end; always stop every process; never leave the run 'running'."""
-        gossip = strategy_class(self.config.strategy.name).loop == "gossip"
+        gossip = self.gossip
         if gossip and (self.options.superlink is not None or self.options.engine != "deployment"):
             raise RunFailed(f"strategy '{self.config.strategy.name}' (gossip) runs on a local deployment only so far "
                             "(--engine deployment, no --superlink): on a standing federation or in Flower's simulation "
