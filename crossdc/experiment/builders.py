@@ -26,9 +26,10 @@ def build_workload(config: ExperimentConfig) -> Workload:
 
 def run_info(config: ExperimentConfig) -> RunInfo:
     """What a strategy may check about the run: its datacenters, inner optimizer, seed, the round-trip times between
-    its datacenters and its codecs."""
+    its datacenters, its codecs and its batch size."""
     return RunInfo(datacenters=tuple(config.datacenter_names), optimizer=config.workload.optimizer, lr=config.workload.lr,
-                   seed=config.run.seed, rtt_ms=datacenter_rtts(config), codecs=tuple(config.compression.codecs))
+                   seed=config.run.seed, rtt_ms=datacenter_rtts(config), codecs=tuple(config.compression.codecs),
+                   batch_size=config.workload.batch_size)
 
 
 def datacenter_rtts(config: ExperimentConfig) -> dict[tuple[str, str], float]:

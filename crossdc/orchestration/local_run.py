@@ -483,6 +483,9 @@ class LocalRun:
     # --------------------------------------------------------------- driver
     def execute(self) -> LocalRunResult:
         """Run the experiment to its end; always stop every process; never leave the run 'running'."""
+        if strategy_class(self.config.strategy.name).loop == "pipeline":
+            raise RunFailed(f"strategy '{self.config.strategy.name}' (a model split across datacenters) is not "
+                            "implemented yet: its stages' runtime comes next (see docs/strategies.md)")
         gossip = self.gossip
         if gossip and (self.options.superlink is not None or self.options.engine != "deployment"):
             raise RunFailed(f"strategy '{self.config.strategy.name}' (gossip) runs on a local deployment only so far "

@@ -69,8 +69,9 @@ Arrays = Mapping[str, np.ndarray]
 #: they arrive, scaled by staleness (crossdc.federation.async_loop, :class:`crossdc.strategies.asynchronous.AsyncStrategy`);
 #: ``streaming`` — the model synced fragment by fragment while the datacenters keep training
 #: (:class:`crossdc.strategies.streaming_diloco.StreamingDiLoCo`); ``gossip`` — every datacenter its own replica, mixed
-#: with its neighbours', no server step (:class:`crossdc.strategies.gossip.Gossip`)
-LOOPS: tuple[str, ...] = ("sync", "async", "streaming", "gossip")
+#: with its neighbours', no server step (:class:`crossdc.strategies.gossip.Gossip`); ``pipeline`` — one model's blocks
+#: split across the datacenters in order (:class:`crossdc.strategies.pipeline.Pipeline`; its loop is not built yet)
+LOOPS: tuple[str, ...] = ("sync", "async", "streaming", "gossip", "pipeline")
 
 
 @dataclass(frozen=True)
@@ -106,6 +107,7 @@ class RunInfo:
     #: coordinator), keyed by the pair in config order; empty where the links are not known
     rtt_ms: Mapping[tuple[str, str], float] = field(default_factory=dict)
     codecs: tuple[str, ...] = ()  # the uplink codec pipeline ([compression] codecs)
+    batch_size: int = 1  # the inner steps' batch size (workload.batch_size)
 
 
 @dataclass(frozen=True)

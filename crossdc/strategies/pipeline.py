@@ -1,0 +1,88 @@
+"""Pipeline split across datacenters (GPipe, Huang et al., 2019; 1F1B, Narayanan et al., 2019): one model's blocks cut
+into consecutive stages, one stage per datacenter, each mini-batch cut into micro-batches that flow through them.
+
+Client contract (what every datacenter does): the ``[[datacenters]]`` in config order are the stages; stage i holds
+blocks :func:`stage_blocks`\\ (blocks, stages, layers)[i] of the model (crossdc.workloads.stages.split_model) and
+their optimizer state, and nothing else of the model. Each optimizer step cuts the batch into ``microbatches``
+equal micro-batches; stage i runs each micro-batch's forward on what stage i − 1 sent and sends its output to
+stage i + 1, and each backward on the gradient stage i + 1 sent back, in the order ``schedule`` gives (``gpipe``:
+every forward, then every backward; ``1f1b``: after a warm-up of S − i − 1 forwards, one forward and one backward
+in turn); then every stage takes its optimizer step on the summed micro-batch gradients. A round is τ optimizer
+steps. With ``activation_codec`` the activations and their gradients cross each boundary encoded.
+
+The pure parts here: the cut of the blocks (:func:`stage_blocks`), the idle share the schedule leaves
+(:func:`bubble_fraction`), and the checks a run's settings must pass. The datacenters' side and the loop that drives
+it on Flower are not built yet: ``crossdc run`` refuses the strategy ("not implemented yet").
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+from crossdc.strategies.base import Parameter, RunInfo, Strategy, StrategyError
+
+SCHEDULES = ("gpipe", "1f1b")
+ACTIVATION_CODECS = ("none", "int8", "subspace")
+
+
+def stage_blocks(blocks: int, stages: int, layers: Sequence[int] | None = None) -> list[int]:
+    """How many of a model's `blocks` each of `stages` stages holds: `layers` if given (checked), else as even as
+    possible, the first stages holding one more when they do not divide evenly. StrategyError naming what is wrong:
+    more stages than blocks, a `layers` list of another length, with a stage of none, or not adding up."""
+    if stages < 1:
+        raise StrategyError("a pipeline needs at least one stage")
+    if stages > blocks:
+        raise StrategyError(f"{stages} stages for a model of {blocks} blocks: every stage needs at least one block")
+    if layers is not None:
+        counts = [int(count) for count in layers]
+        if len(counts) != stages:
+            raise StrategyError(f"'layers' gives {len(counts)} stages' blocks for {stages} datacenters (stages)")
+        if any(count < 1 for count in counts):
+            raise StrategyError(f"'layers' = {counts}: every stage needs at least one block")
+        if sum(counts) != blocks:
+            raise StrategyError(f"'layers' = {counts} adds up to {sum(counts)}; the model has {blocks} blocks")
+        return counts
+    base, extra = divmod(blocks, stages)
+    return [base + (1 if stage < extra else 0) for stage in range(stages)]
+
+
+def bubble_fraction(stages: int, microbatches: int) -> float:
+    """The share of a step a stage idles in the schedule's fill and drain, with equal stages and free transfers:
+    (S − 1) / (M + S − 1), the same for GPipe and 1F1B (1F1B holds fewer activations, not fewer bubbles)."""
+    if stages < 1 or microbatches < 1:
+        raise ValueError("a pipeline needs at least one stage and one micro-batch")
+    return (stages - 1) / (microbatches + stages - 1)
+
+
+class Pipeline(Strategy):
+    """One model's blocks split across the datacenters in order; GPipe or 1F1B micro-batches over the WAN."""
+
+    name = "pipeline"
+    loop = "pipeline"
+    parameters = {
+        "microbatches": Parameter(int, 4, "micro-batches per optimizer step (must divide the batch size)", low=1),
+        "schedule": Parameter(str, "1f1b", "the order of each stage's forwards and backwards", choices=SCHEDULES),
+        "activation_codec": Parameter(str, "none", "how activations and their gradients cross each boundary",
+                                      choices=ACTIVATION_CODECS),
+        "layers": Parameter(str, "", "blocks per stage, comma-separated, in the datacenters' order (empty: as even "
+                            "as possible)"),
+    }
+
+    def check_run(self, run: RunInfo) -> None:
+        super().check_run(run)
+        microbatches = int(self.params["microbatches"])
+        if run.batch_size % microbatches:
+            raise StrategyError(f"strategy '{self.name}': microbatches = {microbatches} does not divide the batch size "
+                                f"{run.batch_size}")
+        self.layers()  # a malformed list fails here; whether it fits the model is checked when the model is built
+
+    def layers(self) -> list[int] | None:
+        """The `layers` parameter as a list of block counts (None when not given)."""
+        text = str(self.params["layers"]).strip()
+        if not text:
+            return None
+        try:
+            return [int(part) for part in text.split(",")]
+        except ValueError:
+            raise StrategyError(f"strategy '{self.name}': layers = {text!r} is not a comma-separated list of whole "
+                                "numbers") from None
