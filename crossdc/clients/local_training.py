@@ -118,6 +118,8 @@ class LocalTrainer:
             ids = [self.device.index] if self.device.type == "cuda" else None
             self.forward = DistributedDataParallel(self.model, device_ids=ids)
         self.optimizer = make_optimizer(optimizer, self.model.parameters(), lr)
+        #: optimizer steps this trainer has taken since it was built (a liveness counter, not saved)
+        self.steps_taken = 0
         self.stream = BatchStream(dataset, batch_size, seed)
 
     def set_weights(self, arrays: Mapping[str, np.ndarray]) -> None:
@@ -159,6 +161,7 @@ class LocalTrainer:
             if after_backward is not None:
                 after_backward(self.model)
             self.optimizer.step()
+            self.steps_taken += 1
             total_loss += float(loss.detach())
             if self.slowdown > 0.0:  # speed emulation: this step takes 1/speed times as long (see the class doc)
                 took = time.perf_counter() - step_started

@@ -180,7 +180,8 @@ class DatacenterTrainer:
         if op == proto.PING_OP:
             return {"ok": True, "pid": os.getpid(), "worker_pids": self.worker_pids(), "datacenter": self.datacenter,
                     "run_id": self.run_id, "last_round": self.last_round, "group_start_s": self.group_start_s,
-                    "gossip_round": self.gossip.replica.server_round if self.gossip is not None else None}
+                    "gossip_round": self.gossip.replica.server_round if self.gossip is not None else None,
+                    "steps_taken": self.trainer.steps_taken}
         if op == proto.TRAIN_OP:
             return self._train(request)
         if op == proto.STREAM_OP:
