@@ -216,8 +216,13 @@ def test_a_cut_link_misses_rounds_and_rejoins(wan_fault_run: dict) -> None:
     assert cut["datacenter"] == "eu-west" and cut["round"] >= 1
     eu = sorted((r for r in wan_fault_run["dc_rounds"] if r["datacenter"] == "eu-west"), key=lambda r: r["round"])
     missed = [r for r in eu if r["round"] > cut["round"] and r["status"] in ("timeout", "failed")]
-    assert missed and missed[0]["status"] == "timeout", eu
-    assert any(e["kind"] == "timeout" and e["datacenter"] == "eu-west" for e in events)
+    assert missed, eu
+    # missed by the round's deadline, or (on a loaded machine, where the deadline can come later than Flower's own
+    # heartbeat check) by Flower telling the coordinator that the node is unavailable
+    if missed[0]["status"] == "timeout":
+        assert any(e["kind"] == "timeout" and e["datacenter"] == "eu-west" for e in events)
+    else:
+        assert "Unavailable" in (missed[0]["reason"] or ""), missed[0]
     rejoined = [r for r in eu if r["round"] > missed[0]["round"] and r["status"] == "ok"]
     assert rejoined, f"eu-west never came back after the cut: {[(r['round'], r['status']) for r in eu]}"
     us = [r for r in wan_fault_run["dc_rounds"] if r["datacenter"] == "us-east"]

@@ -255,10 +255,10 @@ def test_a_tensor_group_may_not_take_a_reserved_record_name(attribute: str, grou
 
 
 def test_an_unknown_loop_is_refused_at_class_definition() -> None:
-    assert LOOPS == ("sync", "async", "streaming", "gossip")
-    with pytest.raises(StrategyError, match="strategy class Pipeline: unknown loop 'pipeline'; known: sync, async, "
-                                            "streaming, gossip"):
-        type("Pipeline", (Strategy,), {"name": "pipeline", "loop": "pipeline"})
+    assert LOOPS == ("sync", "async", "streaming", "gossip", "pipeline")
+    with pytest.raises(StrategyError, match="strategy class Ring: unknown loop 'ring-allreduce'; known: sync, async, "
+                                            "streaming, gossip, pipeline"):
+        type("Ring", (Strategy,), {"name": "ring", "loop": "ring-allreduce"})
 
 
 # -- a least-squares problem with a known optimum, on the real datacenter code ------------------------

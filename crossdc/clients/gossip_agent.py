@@ -13,7 +13,11 @@ those weights; `save(round, state)`
 `rejoin` (a restarted datacenter's) first asks it for a newer replica — (round, weights, whose) from a neighbour, or
 None — and, if one comes, adopts it (:meth:`GossipReplica.adopt`) and goes on from the round after it; its next
 report says so (``rejoined``: the round it had, the round it took, from whom), and the rounds in between have no
-report from it.
+report from it. A round in which no exchange worked (every neighbour of the round cut off or gone) still takes as
+long as the recent rounds that met when none of its neighbours could be reached at all (their median idle time, at
+most the exchange timeout): the replica keeps
+training, in step with the others, so that when its links return its neighbours are at its round (a replica that
+ran ahead would wait for them and mix with nobody meanwhile).
 :meth:`GossipAgent.reports` hands over what the coordinator has not acknowledged and forgets what it has: a coordinator
 away for a while catches up on everything when it comes back. A failure in the thread is reported to every later
 call, never swallowed.
@@ -21,8 +25,10 @@ call, never swallowed.
 
 from __future__ import annotations
 
+import statistics
 import threading
 import time
+from collections import deque
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
@@ -36,6 +42,10 @@ from crossdc.strategies.mixing import count_sketch
 Arrays = Mapping[str, np.ndarray]
 #: exchange(round, peers, message_for(peer, holds), held_of(peer)) → what each peer exchange gave
 Exchange = Callable[[int, list[int], Callable[[int, int], GossipMessage | None], Callable[[int], int]], dict[int, Exchanged]]
+
+
+#: how many of the last rounds that met set the pace of a round that met nobody
+PACE_WINDOW = 5
 
 
 class GossipFailed(RuntimeError):
@@ -93,6 +103,7 @@ class GossipAgent:
         replica = self.replica
         strategy = replica.strategy
         tau = strategy.tau(1)
+        met_idle: deque[float] = deque(maxlen=PACE_WINDOW)  # the idle seconds of the last rounds that met someone
         try:
             rejoined = self._rejoin()
             for server_round in range(replica.server_round + 1, self.rounds + 1):
@@ -108,6 +119,12 @@ class GossipAgent:
                     return replica.message_for(holds) if peer in receivers else None
 
                 exchanged = self._exchange(server_round, peers, message_for, replica.held_version)
+                if any(e.message is not None for e in exchanged.values()):
+                    met_idle.append(time.perf_counter() - waited_from)
+                elif met_idle and exchanged and all(e.unreachable for e in exchanged.values()):
+                    # cut off from this round's every neighbour: keep in step with the rounds that met
+                    timeout_s = float(strategy.params["exchange_timeout_s"])
+                    self._pause(waited_from + min(statistics.median(met_idle), timeout_s))
                 idle_s = time.perf_counter() - waited_from
                 mixed = replica.mix_in([e.message for e in exchanged.values() if e.message is not None])
                 report = RoundReport(server_round, steps.compute_s, idle_s, steps.mean_loss, steps.num_examples, {
@@ -130,6 +147,11 @@ class GossipAgent:
             with self._condition:
                 self._error = f"{type(err).__name__}: {err}".splitlines()[0]
                 self._condition.notify_all()
+
+    def _pause(self, until: float) -> None:
+        """Wait until `until` (perf_counter), or until the agent is cancelled."""
+        while not self._cancelled and time.perf_counter() < until:
+            time.sleep(min(0.2, max(0.0, until - time.perf_counter())))
 
     def _rejoin(self) -> dict[str, Any] | None:
         """Adopt a neighbour's newer replica if `rejoin` finds one (see the module docstring); what was done."""

@@ -95,7 +95,7 @@ _CONTEXT.set_forkserver_preload([__name__])
 @dataclass(frozen=True)
 class Exchanged:
     """One exchange with one neighbour: what arrived (None: nothing, see `error`), the bytes each way, the seconds from
-    the meeting to the last byte received."""
+    the meeting to the last byte received; `unreachable`: the probe found no way to the neighbour at all."""
 
     peer: int
     message: GossipMessage | None
@@ -103,6 +103,7 @@ class Exchanged:
     bytes_received: int
     in_flight_s: float
     error: str | None = None
+    unreachable: bool = False
 
 
 class ExchangeFailed(RuntimeError):
@@ -235,8 +236,14 @@ class GossipTransport:
         ours, theirs = _CONTEXT.Pipe()
         try:
             # can the link reach the neighbour at all? if not, give up on it for this round now
-            with socket.create_connection(self.addresses[peer], timeout=self.probe_s):
-                pass
+            try:
+                with socket.create_connection(self.addresses[peer], timeout=self.probe_s):
+                    pass
+            except OSError as err:
+                reason = f"{type(err).__name__}: {err}"[:300]
+                log.info("round %d: datacenter %d unreachable: %s", server_round, peer, reason)
+                self.suspect.add(peer)
+                return Exchanged(peer, None, 0, 0, time.perf_counter() - started, reason, unreachable=True)
             low, high = sorted((self.index, peer))
             meeting = {"store": self.addresses[low], "peer_store": self.addresses[peer],
                        "prefix": f"gossip/r{server_round}/{low}-{high}",
