@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import ctypes
 import os
+import secrets
 import signal
 import socket
 import subprocess
@@ -41,8 +42,22 @@ def ensure_port_free(host: str, port: int) -> None:
             raise PortInUse(f"port {port} on {host} is already in use; stop what holds it or choose another port") from None
 
 
+#: where free_port looks: below Linux's default ephemeral range (32768–60999), from which the kernel picks the local
+#: port of every outgoing connection, so that none takes the port between free_port and the server's start
+FREE_PORT_RANGE = (20000, 32767)
+
+
 def free_port(host: str = "127.0.0.1") -> int:
-    """A port that was free a moment ago (the kernel's pick)."""
+    """A port that was free a moment ago: one at random in FREE_PORT_RANGE (the kernel's pick if none is)."""
+    low, high = FREE_PORT_RANGE
+    for _ in range(200):
+        port = low + secrets.randbelow(high - low + 1)
+        with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as probe:
+            try:
+                probe.bind((host, port))
+            except OSError:
+                continue
+            return port
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as probe:
         probe.bind((host, 0))
         return int(probe.getsockname()[1])
