@@ -107,12 +107,7 @@ class Exchanged:
 
 
 class ExchangeFailed(RuntimeError):
-    """An exchange ended without the neighbour's message (the reason in one line); `after_meeting`: both ends had
-    come (it failed building the group or in a transfer), not before."""
-
-    def __init__(self, reason: str, after_meeting: bool = False) -> None:
-        super().__init__(reason)
-        self.after_meeting = after_meeting
+    """An exchange ended without the neighbour's message (the reason in one line)."""
 
 
 class GossipTransport:
@@ -343,8 +338,8 @@ def _receive(connection: multiprocessing.connection.Connection, deadline: float)
         word, value = connection.recv()
     except EOFError as err:
         raise ExchangeFailed("the exchange process ended without a word") from err
-    if word in ("error", "broken"):
-        raise ExchangeFailed(value, after_meeting=word == "broken")
+    if word == "error":
+        raise ExchangeFailed(value)
     return value
 
 
@@ -352,7 +347,6 @@ def _meet(connection: multiprocessing.connection.Connection, meeting: dict[str, 
     """The exchange process (see the module docstring): meets the neighbour, sends the parent what the neighbour
     holds ("holds"), takes the message to send (kind, version, base, payload; or None), and sends back the
     neighbour's ("done": its header, its payload or None, the seconds in flight); any failure as ("error", reason)."""
-    met = False
     try:
         timeout = timedelta(seconds=meeting["timeout_s"])
         host, port = meeting["store"]
@@ -362,7 +356,6 @@ def _meet(connection: multiprocessing.connection.Connection, meeting: dict[str, 
         options._timeout = timeout
         rank = meeting["rank"]
         _wait_for_peer(store, meeting, timeout)
-        met = True
         group = dist.ProcessGroupGloo(dist.PrefixStore(meeting["prefix"], store), rank, 2, options)
         met = time.perf_counter()
         theirs = _swap(group, rank, torch.tensor([meeting["round"], meeting["held_of_peer"]], dtype=torch.int64), timeout)
@@ -380,7 +373,7 @@ def _meet(connection: multiprocessing.connection.Connection, meeting: dict[str, 
         connection.send(("done", ((int(their_header[1]), int(their_header[2]), int(their_header[3])),
                                   None if incoming is None else incoming.numpy(), in_flight_s)))
     except Exception as err:  # noqa: BLE001 - the parent reports it
-        connection.send(("broken" if met else "error",
+        connection.send(("error",
                          f"{type(err).__name__}: {str(err).splitlines()[0] if str(err) else ''}"[:300]))
 
 
