@@ -381,10 +381,13 @@ def codecs_list(as_json: bool = typer.Option(False, "--json")) -> None:
 @app.command()
 @_guard
 def plan(
-    params: float = typer.Option(..., "--params", help="Model parameters, e.g. 1e9."),
-    datacenters: int = typer.Option(..., "--datacenters", help="Number of datacenters N."),
-    step_time: float = typer.Option(..., "--step-time", help="Seconds per local optimizer step (one datacenter, all its GPUs)."),
-    tau: int = typer.Option(..., "--tau", help="Local steps per round."),
+    params: float | None = typer.Option(None, "--params", help="Model parameters, e.g. 1e9 (required without --pipeline)."),
+    datacenters: int | None = typer.Option(None, "--datacenters", help="Number of datacenters N (required without --pipeline)."),
+    step_time: float = typer.Option(..., "--step-time",
+                                    help="Seconds per local optimizer step (one datacenter, all its GPUs; with --pipeline: the "
+                                         "whole model's forward and backward of the whole batch on one datacenter)."),
+    tau: int | None = typer.Option(None, "--tau",
+                                   help="Local steps per round (required without --pipeline; with it DiLoCo's, default 100)."),
     link: str | None = typer.Option(None, "--link", help="Link profile: metro, continental, transoceanic, constrained."),
     bandwidth_mbps: float | None = typer.Option(None, "--bandwidth-mbps", help="Link bandwidth (Mbps); overrides the profile's."),
     rtt_ms: float | None = typer.Option(None, "--rtt-ms", help="Link round-trip time (ms); overrides the profile's."),
@@ -399,12 +402,42 @@ def plan(
                                                             help="The coordinator's link, shared by the N transfers of each direction."),
     target_ratio: float = typer.Option(0.1, "--target-ratio", help="Comm/comp ratio to reach."),
     as_json: bool = typer.Option(False, "--json", help="Print one JSON object."),
+    pipeline: bool = typer.Option(False, "--pipeline",
+                                  help="Plan a pipeline split (one stage per datacenter) against data parallel and DiLoCo."),
+    stage_params: str | None = typer.Option(None, "--stage-params",
+                                            help="--pipeline: parameters per stage, comma-separated, e.g. 5e8,5e8."),
+    activation_bytes: float | None = typer.Option(None, "--activation-bytes",
+                                                  help="--pipeline: bytes of one micro-batch's activation at a boundary "
+                                                       "(its gradient is as large)."),
+    microbatches: int | None = typer.Option(None, "--microbatches", help="--pipeline: micro-batches per optimizer step."),
+    schedule: str = typer.Option("1f1b", "--schedule", help="--pipeline: gpipe or 1f1b."),
+    backward_ratio: float = typer.Option(2.0, "--backward-ratio", help="--pipeline: a backward's time over its forward's."),
+    max_params_per_datacenter: float | None = typer.Option(None, "--max-params-per-datacenter",
+                                                           help="--pipeline: the most parameters one datacenter holds "
+                                                                "(default: no limit)."),
 ) -> None:
-    """The cost model: time per round, comm/comp and utilisation, and the tau or compression that bring comm/comp under a target."""
+    """The cost model: time per round, comm/comp and utilisation, and the tau or compression that bring comm/comp under a target.
+    With --pipeline: a pipeline split's step (its schedule simulated) beside data parallel and DiLoCo, and a verdict."""
     from dataclasses import asdict
 
     from crossdc.wan import cost_model as cm
 
+    if pipeline:
+        if params is not None or datacenters is not None:
+            fail("--pipeline takes the model from --stage-params (its stages are the datacenters): drop --params and "
+                 "--datacenters")
+        _plan_pipeline(stage_params, activation_bytes, microbatches, schedule, step_time, backward_ratio,
+                       100 if tau is None else tau, link, bandwidth_mbps, rtt_ms, max_params_per_datacenter, as_json)
+        return
+    given = [name for name, value in (("--stage-params", stage_params), ("--activation-bytes", activation_bytes),
+                                      ("--microbatches", microbatches),
+                                      ("--max-params-per-datacenter", max_params_per_datacenter)) if value is not None]
+    if given:
+        fail(f"{', '.join(given)} plan a pipeline split: add --pipeline")
+    missing = [name for name, value in (("--params", params), ("--datacenters", datacenters), ("--tau", tau))
+               if value is None]
+    if missing or params is None or datacenters is None or tau is None:
+        fail(f"missing {', '.join(missing)} (or plan a pipeline split with --pipeline)")
     try:
         spec = cm.resolve_link(link, bandwidth_mbps, rtt_ms)
         star = cm.StarPlan(params=params, datacenters=cm.uniform_datacenters(datacenters, spec), step_time_s=step_time,
@@ -459,6 +492,71 @@ def plan(
     both = "impossible (latency alone exceeds the target)" if compression_both is None else f"{compression_both:.4g}x"
     up = "impossible (the downlink and latency alone exceed the target)" if compression_up is None else f"{compression_up:.4g}x"
     typer.echo(f"compression for comm/comp <= {target_ratio:g} at tau {tau}: {both} both ways; uplink only: {up}")
+
+
+def _plan_pipeline(stage_params: str | None, activation_bytes: float | None, microbatches: int | None, schedule: str,
+                   step_time: float, backward_ratio: float, tau: int, link: str | None, bandwidth_mbps: float | None,
+                   rtt_ms: float | None, max_params_per_datacenter: float | None, as_json: bool) -> None:
+    """`crossdc plan --pipeline`: the pipeline split's step against data parallel and DiLoCo (crossdc.wan.pipeline_plan)."""
+    from dataclasses import asdict
+
+    from crossdc.wan import cost_model as cm
+    from crossdc.wan import pipeline_plan as pp
+
+    missing = [name for name, value in (("--stage-params", stage_params), ("--activation-bytes", activation_bytes),
+                                        ("--microbatches", microbatches)) if value is None]
+    if missing or stage_params is None or activation_bytes is None or microbatches is None:
+        fail(f"--pipeline needs {', '.join(missing)}")
+    try:
+        counts = [float(part) for part in stage_params.split(",")]
+    except ValueError:
+        fail(f"--stage-params must be comma-separated numbers (parameters per stage), got {stage_params!r}")
+    try:
+        spec = cm.resolve_link(link, bandwidth_mbps, rtt_ms)
+        split = pp.PipelinePlan(stage_params=counts, activation_bytes=activation_bytes, microbatches=microbatches,
+                                step_time_s=step_time, links=pp.uniform_links(len(counts), spec), schedule=schedule,
+                                backward_ratio=backward_ratio, max_params_per_datacenter=max_params_per_datacenter)
+        result = pp.compare(split, tau)
+    except cm.CostModelError as err:
+        fail(str(err))
+    pipe = result.pipeline
+    if as_json:
+        typer.echo(json.dumps({
+            "inputs": {"stage_params": counts, "activation_bytes": activation_bytes, "microbatches": microbatches,
+                       "schedule": schedule, "step_time_s": step_time, "backward_ratio": backward_ratio, "tau": tau,
+                       "link": asdict(spec), "max_params_per_datacenter": max_params_per_datacenter},
+            "pipeline": {k: v for k, v in asdict(pipe).items() if k != "timeline"},
+            "data_parallel": asdict(result.data_parallel),
+            "diloco": {k: v for k, v in asdict(result.diloco).items() if k != "datacenters"},
+            "strategies": [asdict(cost) for cost in result.costs],
+            "activation_to_gradient_ratio": result.activation_to_gradient_ratio,
+            "winner": result.winner,
+            "verdict": result.verdict,
+        }))
+        return
+
+    def size(n: float) -> str:
+        return f"{n / 1e9:.3g} GB" if n >= 1e9 else f"{n / 1e6:.3g} MB"
+
+    def secs(t: float) -> str:
+        return f"{t:,.0f} s" if t >= 1000 else f"{t:.3g} s"
+
+    typer.echo(f"pipeline split of {split.total_params:.3g} parameters into {pipe.stages} stages "
+               f"({' + '.join(f'{count:.3g}' for count in counts)}), {microbatches} micro-batches of "
+               f"{size(activation_bytes)}, link {spec.name} ({spec.bandwidth_mbps:g} Mbps, {spec.rtt_ms:g} ms RTT) at "
+               f"every boundary, step {step_time:g} s on one datacenter")
+    typer.echo(f"{'':<22}{'step':>10}{'WAN bytes/step':>16}{'exposed comm':>14}{'params/DC':>11}")
+    for cost in result.costs:
+        typer.echo(f"{cost.name:<22}{secs(cost.step_s):>10}{size(cost.wan_bytes_per_step):>16}"
+                   f"{secs(cost.exposed_comm_s):>14}{cost.params_per_datacenter:>11.3g}"
+                   + ("" if cost.feasible else f"  ({cost.note})"))
+    typer.echo(f"pipeline: {secs(pipe.free_links_step_s)} over free links + {secs(pipe.exposed_comm_s)} the WAN adds; "
+               f"stages idle {100 * pipe.bubble_fraction:.1f}% (schedule alone: "
+               f"{100 * pipe.theoretical_bubble_fraction:.1f}%); per micro-batch and boundary "
+               f"{secs(pipe.transfer_s[0])} on the wire + {secs(pipe.latency_s[0])} one way")
+    typer.echo(f"data parallel and DiLoCo: {pipe.stages} datacenters with the whole model, each computing 1/{pipe.stages} "
+               f"of the batch ({secs(step_time / pipe.stages)} per step)")
+    typer.echo(f"verdict: {result.verdict}")
 
 
 @app.command()

@@ -149,6 +149,16 @@ GOSSIP_FINISHED = "gossip-finished"
 GOSSIP_SNAPSHOTS = "gossip-snapshots"
 
 
+# ---------------------------------------------------------------- pipeline (coordinator → stage: control only)
+#: config entry of a pipeline run's message: the round whose τ optimizer steps it asks the stage for (the
+#: activations and their gradients travel between the stages directly, never through the coordinator)
+PIPELINE = "crossdc-pipeline"
+#: config entry: whether the reply carries the stage's weights after the steps (rounds evaluated or checkpointed)
+PIPELINE_WEIGHTS = "crossdc-pipeline-weights"
+#: a pipeline reply's report (JSON): the round's compute, wall time, bytes each way, loss, micro-batch spans
+PIPELINE_REPORT = "pipeline-report"
+
+
 def snapshot_key(server_round: int) -> str:
     """The tensor group of a gossip reply carrying the replica's outer weights after round `server_round`."""
     return f"snapshot-{server_round}"
@@ -156,6 +166,7 @@ def snapshot_key(server_round: int) -> str:
 
 #: the trainer channel's operations
 GOSSIP_OP = "gossip"
+PIPELINE_OP = "pipeline"
 STREAM_OP = "stream"
 TRAIN_OP = "train"
 PING_OP = "ping"
@@ -470,6 +481,84 @@ def decode_gossip_reply(content: RecordDict) -> tuple[list[dict[str, Any]], dict
     snapshots = {r: decode_tensors(content, snapshot_key(r)) for r in rounds}
     final = decode_tensors(content) if has_tensors(content, ARRAYS_KEY) else None
     return reports, snapshots, final, finished
+
+
+@dataclass(frozen=True)
+class PipelineRequest:
+    """What the ClientApp hands a stage's persistent trainer for one message of a pipeline run: run the round's `tau`
+    optimizer steps with the other stages and report them, with the stage's weights after them if `weights`; in a
+    resumed attempt, the round of the checkpoint it continues from (`resume_round`); when the run checkpoints, the
+    round of the server's oldest retained checkpoint (`checkpoint_round`)."""
+
+    run_id: str
+    round: int
+    tau: int
+    weights: bool = False
+    attempt: int = 1
+    checkpoint_round: int | None = None
+    resume_round: int | None = None
+
+    @classmethod
+    def from_message(cls, content: RecordDict) -> PipelineRequest:
+        """The request of a pipeline message's content (ProtocolError naming what is missing or malformed)."""
+        config = content.config_records[CONFIG_KEY]
+        try:
+            return cls(run_id=str(config[RUN_ID]), round=config_int(config, ROUND), tau=config_int(config, TAU),
+                       weights=bool(config.get(PIPELINE_WEIGHTS, False)),
+                       attempt=config_int(config, ATTEMPT) if ATTEMPT in config else 1,
+                       checkpoint_round=config_int(config, CHECKPOINT_ROUND) if CHECKPOINT_ROUND in config else None,
+                       resume_round=config_int(config, RESUME_ROUND) if RESUME_ROUND in config else None)
+        except KeyError as err:
+            raise ProtocolError(f"pipeline message: missing config entry {err.args[0]!r}") from None
+
+    def to_dict(self) -> dict[str, Any]:
+        """The request as sent over the trainer's local channel (``{"op": "pipeline", ...}``)."""
+        return {"op": PIPELINE_OP, "run_id": self.run_id, "round": self.round, "tau": self.tau, "weights": self.weights,
+                "attempt": self.attempt, "checkpoint_round": self.checkpoint_round, "resume_round": self.resume_round}
+
+    @classmethod
+    def from_dict(cls, request: Mapping[str, Any]) -> PipelineRequest:
+        """The request :meth:`to_dict` made; ProtocolError naming what is missing or malformed."""
+        try:
+            optional = {key: int(request[key]) for key in ("checkpoint_round", "resume_round")
+                        if request.get(key) is not None}
+            return cls(run_id=str(request["run_id"]), round=int(request["round"]), tau=int(request["tau"]),
+                       weights=bool(request.get("weights", False)), attempt=int(request.get("attempt", 1)), **optional)
+        except KeyError as err:
+            raise ProtocolError(f"a pipeline request needs {err.args[0]!r}") from None
+        except (TypeError, ValueError) as err:
+            raise ProtocolError(f"malformed pipeline request: {err}") from None
+
+
+def pipeline_config(*, server_round: int, tau: int, run_id: str, run_dir: str, datacenter: str, weights: bool,
+                    attempt: int, checkpoint_round: int | None = None, resume_round: int | None = None) -> dict[str, Any]:
+    """The config entries of a pipeline message."""
+    cfg = train_config(server_round=server_round, tau=tau, run_id=run_id, run_dir=run_dir, datacenter=datacenter,
+                       attempt=attempt, checkpoint_round=checkpoint_round, resume_round=resume_round)
+    cfg.update({PIPELINE: True, PIPELINE_WEIGHTS: bool(weights)})
+    return cfg
+
+
+def pipeline_reply_content(answer: Mapping[str, Any]) -> RecordDict:
+    """A pipeline reply's content from the stage's answer (``report``: a JSON-able dict, ``weights``: the stage's
+    weights or None, ``metrics``)."""
+    records: dict[str, Any] = {}
+    if answer.get("weights") is not None:
+        records.update(encode_tensors(answer["weights"]))
+    records[CONFIG_KEY] = ConfigRecord({PIPELINE_REPORT: json.dumps(answer.get("report") or {})})
+    return RecordDict({**records, METRICS_KEY: MetricRecord(dict(answer.get("metrics") or {}))})
+
+
+def decode_pipeline_reply(content: RecordDict) -> tuple[dict[str, Any], dict[str, np.ndarray] | None]:
+    """(report, the stage's weights or None) of a pipeline reply; PayloadError if malformed."""
+    try:
+        report = json.loads(str(content.config_records[CONFIG_KEY][PIPELINE_REPORT]))
+    except (KeyError, ValueError, TypeError) as err:
+        raise PayloadError(f"a pipeline reply without a readable {PIPELINE_REPORT!r}: {err}") from None
+    if not isinstance(report, dict):
+        raise PayloadError(f"{PIPELINE_REPORT!r} must be a JSON object")
+    weights = decode_tensors(content) if has_tensors(content, ARRAYS_KEY) else None
+    return report, weights
 
 
 class PayloadError(ValueError):

@@ -6,7 +6,8 @@ their function names, which leave the fixture names free for the tests' argument
 
     from browser_harness import Site, Tab, browser_fixture, serve, tab_fixture  # noqa: F401
 
-and writes its own data before it serves the database (`with serve(db_url) as site: yield site`).
+and writes its own data before it serves the database (`with serve(db_url) as site: yield site`, or
+`with serve_fresh(tmp_path_factory, name, write_runs) as site: yield site`).
 Importing this module skips the importing test module where Playwright is not installed.
 Screenshots land in `test-artifacts/` at the repository root.
 """
@@ -15,7 +16,7 @@ from __future__ import annotations
 
 import contextlib
 import threading
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -25,6 +26,7 @@ import pytest
 import uvicorn
 
 from crossdc.dashboard.app import create_app
+from crossdc.db.engine import upgrade
 from crossdc.experiment.processes import free_port, wait_for_port
 
 playwright_sync = pytest.importorskip("playwright.sync_api")
@@ -59,6 +61,16 @@ def serve(db_url: str) -> Iterator[Site]:
     finally:
         server.should_exit = True
         thread.join(timeout=15)
+
+
+@contextlib.contextmanager
+def serve_fresh(tmp_path_factory: pytest.TempPathFactory, name: str, write: Callable[[str], None]) -> Iterator[Site]:
+    """A new SQLite database (folder `name`) at the schema's head, filled by `write(db_url)`, served by :func:`serve`."""
+    db_url = f"sqlite:///{tmp_path_factory.mktemp(name) / 'crossdc.db'}"
+    upgrade(db_url)
+    write(db_url)
+    with serve(db_url) as served:
+        yield served
 
 
 @pytest.fixture(name="browser", scope="module")

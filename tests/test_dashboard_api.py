@@ -51,7 +51,7 @@ ROUND_FIELDS = {"round", "tau", "val_loss", "val_accuracy", "bytes_up", "bytes_d
 DC_ROUND_FIELDS = {"round", "datacenter", "status", "reason", "bytes_up", "bytes_down", "bytes_up_raw", "compute_s",
                    "comm_s", "overhead_s", "idle_s", "train_loss", "num_examples", "drift_l2", "update_cosine", "staleness",
                    "round_s", "comm_source", "link_bytes_up", "link_bytes_down", "consensus_distance"}
-TIMELINE_FIELDS = {"round", "datacenter", "kind", "start_s", "end_s", "fragment", "exchange"}
+TIMELINE_FIELDS = {"round", "datacenter", "kind", "start_s", "end_s", "fragment", "exchange", "microbatch", "step"}
 LINK_FIELDS = {"round", "src", "dst", "bytes", "in_flight_s", "error"}
 
 
@@ -381,7 +381,7 @@ def test_the_timeline_is_the_newest_spans_by_datacenter_then_start(served: Serve
     assert [(s["datacenter"], s["start_s"]) for s in whole["items"]] == sorted((s["datacenter"], s["start_s"]) for s in logged)
     first = whole["items"][0]
     assert first == {"round": 1, "datacenter": "dc-a", "kind": "compute", "start_s": 0.0, "end_s": 1.0, "fragment": None,
-                     "exchange": None}
+                     "exchange": None, "microbatch": None, "step": None}
     # the newest 4: the last round's downs (start 45.75 s) and dc-c's up (45.5 s)
     newest = strict_json(served.get(path, limit=4))
     assert newest["truncated"] is True and newest["limit"] == 4

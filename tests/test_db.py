@@ -65,8 +65,13 @@ EXPECTED_COLUMNS: dict[str, set[str]] = {
         "link_bandwidth_mbps", "link_rtt_ms", "node_id",
     },
     "checkpoints": {"id", "run_id", "round", "uri", "created_at"},
-    "timeline_spans": {"id", "run_id", "round", "datacenter", "kind", "start_s", "end_s", "fragment", "exchange"},
+    "timeline_spans": {"id", "run_id", "round", "datacenter", "kind", "start_s", "end_s", "fragment", "exchange",
+                       "microbatch", "step"},
     "link_rounds": {"id", "run_id", "round", "src", "dst", "bytes", "in_flight_s", "error"},
+    "pipeline_stages": {
+        "id", "run_id", "round", "stage", "datacenter", "steps", "microbatches", "compute_s", "wall_s",
+        "bubble_fraction", "bytes_forward", "bytes_backward", "bytes_source", "train_loss",
+    },
     "api_tokens": {"id", "name", "role", "token_hash", "created_at", "revoked_at", "last_used_at"},
     "audit_log": {"id", "at", "action", "outcome", "actor", "target", "client", "detail"},
 }
@@ -224,7 +229,8 @@ def test_revision_0008_adds_and_drops_timeline_spans(fresh_url: str) -> None:
         upgrade(fresh_url, "0008")
         assert current_revision(fresh_url) == "0008"
         insp = inspect(engine)
-        assert {c["name"] for c in insp.get_columns("timeline_spans")} == EXPECTED_COLUMNS["timeline_spans"]
+        # revision 0010 adds microbatch and step
+        assert {c["name"] for c in insp.get_columns("timeline_spans")} == EXPECTED_COLUMNS["timeline_spans"] - {"microbatch", "step"}
         indexes = {ix["name"]: ix["column_names"] for ix in insp.get_indexes("timeline_spans")}
         assert indexes["ix_timeline_spans_run_id_datacenter_start_s"] == ["run_id", "datacenter", "start_s"]
         nullable = {c["name"]: c["nullable"] for c in insp.get_columns("timeline_spans")}
@@ -247,13 +253,14 @@ def test_revision_0009_adds_and_drops_gossip_columns_and_link_rounds(fresh_url: 
     engine = make_engine(fresh_url)
     try:
         assert "link_rounds" not in inspect(engine).get_table_names()
-        upgrade(fresh_url)
-        assert current_revision(fresh_url) == "0009" == head_revisions()[0]
+        upgrade(fresh_url, "0009")
+        assert current_revision(fresh_url) == "0009"
         insp = inspect(engine)
         assert {c["name"] for c in insp.get_columns("link_rounds")} == EXPECTED_COLUMNS["link_rounds"]
         assert ["run_id", "round", "src", "dst"] in [u["column_names"] for u in insp.get_unique_constraints("link_rounds")]
         for table in ("rounds", "datacenter_rounds"):
             assert "consensus_distance" in {c["name"] for c in insp.get_columns(table)}
+        upgrade(fresh_url)
         _check_schema(fresh_url)
         downgrade(fresh_url, "0008")
         insp = inspect(engine)
@@ -494,7 +501,7 @@ def test_timeline_spans_round_trip_newest_first_and_forgotten_with_their_rounds(
 def test_timeline_spans_are_checked_in_the_callers_thread(migrated_sqlite_url: str) -> None:
     good = _span(1, "a", "compute", 0.0, 1.0)
     with RunLog(migrated_sqlite_url) as log:
-        with pytest.raises(ValueError, match=r"^spans\[1\]: kind must be one of compute, wait, up, down; got 'sleep'$"):
+        with pytest.raises(ValueError, match=r"^spans\[1\]: kind must be one of compute, wait, up, down, forward, backward; got 'sleep'$"):
             log.log_timeline_spans(run_id="r", spans=[good, good.replace(kind="sleep")])
         with pytest.raises(ValueError, match=r"^spans\[0\]: end_s must be >= start_s, got start_s=2.0, end_s=1.5$"):
             log.log_timeline_spans(run_id="r", spans=[_span(1, "a", "up", 2.0, 1.5)])

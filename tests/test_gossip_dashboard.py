@@ -19,9 +19,8 @@ from typing import Any
 from urllib.parse import parse_qs, urlsplit
 
 import pytest
-from browser_harness import Site, Tab, browser_fixture, serve, tab_fixture  # noqa: F401
+from browser_harness import Site, Tab, browser_fixture, serve_fresh, tab_fixture  # noqa: F401
 
-from crossdc.db.engine import upgrade
 from crossdc.db.runlog import RunLog
 
 TOPOLOGY, CONSENSUS = "fig-gossip-topology", "fig-consensus"
@@ -169,10 +168,7 @@ def write_runs(db_url: str) -> None:
 
 @pytest.fixture(scope="module")
 def site(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Site]:
-    db_url = f"sqlite:///{tmp_path_factory.mktemp('gossip-dashboard') / 'crossdc.db'}"
-    upgrade(db_url)
-    write_runs(db_url)
-    with serve(db_url) as served:
+    with serve_fresh(tmp_path_factory, "gossip-dashboard", write_runs) as served:
         yield served
 
 

@@ -10,7 +10,7 @@ import pytest
 import torch
 from torch import nn
 
-from crossdc.experiment.config import parse_config
+from crossdc.experiment.config import ExperimentConfig, parse_config
 from crossdc.experiment.processes import free_port
 from crossdc.orchestration.local_run import LocalRunOptions, RunFailed, run_local
 from crossdc.strategies.base import RunInfo, StrategyError
@@ -130,13 +130,30 @@ def test_a_model_that_cannot_be_cut_or_a_cut_that_does_not_fit_is_a_clear_error(
         split_model(model, [2, 3])
 
 
-def test_crossdc_run_refuses_a_pipeline_run_until_its_runtime_lands(tmp_path: pytest.TempPathFactory) -> None:
-    config = parse_config({
+def pipeline_config(*, workers: int = 1) -> ExperimentConfig:
+    return parse_config({
         "run": {"name": "pipeline", "rounds": 1},
         "workload": {"dataset": "synthetic", "model": "mlp", "batch_size": 16},
         "strategy": {"name": "pipeline", "tau": 2, "params": {"microbatches": 4}},
-        "datacenters": [{"name": "a"}, {"name": "b"}],
+        "datacenters": [{"name": "a", "workers": workers}, {"name": "b"}],
     })
-    with pytest.raises(RunFailed, match="strategy 'pipeline' .* is not implemented yet"):
-        run_local(config, LocalRunOptions(db_url=f"sqlite:///{tmp_path}/runs.db", superlink_port=free_port(),
-                                          runs_root=tmp_path))
+
+
+@pytest.mark.parametrize(("options", "workers", "message"), [
+    ({"engine": "simulation"}, 1, r"strategy 'pipeline' \(pipeline\) runs on a local deployment only"),
+    ({"superlink": "127.0.0.1:9093"}, 1, r"strategy 'pipeline' \(pipeline\) runs on a local deployment only"),
+    ({}, 2, "a pipeline stage runs on one worker: a have more"),
+])
+def test_crossdc_run_refuses_what_a_pipeline_cannot_run_yet(tmp_path: pytest.TempPathFactory, options: dict,
+                                                            workers: int, message: str) -> None:
+    with pytest.raises(RunFailed, match=message):
+        run_local(pipeline_config(workers=workers),
+                  LocalRunOptions(db_url=f"sqlite:///{tmp_path}/runs.db", superlink_port=free_port(),
+                                  runs_root=tmp_path, **options))
+
+
+def test_1f1b_needs_as_many_micro_batches_as_stages() -> None:
+    info = RunInfo(datacenters=("a", "b", "c"), optimizer="adamw", lr=1e-3, batch_size=16)
+    Pipeline(tau=1, params={"microbatches": 2, "schedule": "gpipe"}, run=info)
+    with pytest.raises(StrategyError, match="schedule '1f1b' needs at least as many micro-batches as stages"):
+        Pipeline(tau=1, params={"microbatches": 2, "schedule": "1f1b"}, run=info)

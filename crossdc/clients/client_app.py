@@ -20,7 +20,16 @@ from flwr.clientapp import ClientApp
 from crossdc import protocol as proto
 from crossdc.clients.channel import call_trainer
 from crossdc.experiment.rundir import RunDir
-from crossdc.protocol import CONFIG_KEY, GossipRequest, StreamRequest, TrainRequest, gossip_reply_content, reply_content
+from crossdc.protocol import (
+    CONFIG_KEY,
+    GossipRequest,
+    PipelineRequest,
+    StreamRequest,
+    TrainRequest,
+    gossip_reply_content,
+    pipeline_reply_content,
+    reply_content,
+)
 
 app = ClientApp()
 
@@ -58,13 +67,16 @@ def train(msg: Message, context: Context) -> Message:
     """Run the round's local steps on the datacenter's trainer and return the update and the strategy's extra
     tensor groups (the contract is in crossdc.strategies.base; this adapter knows no strategy). A streaming run's
     message instead hands the trainer an exchange's result and returns the update of the exchange it asks for; a
-    gossip run's starts the datacenter's replica or collects its reports, snapshots and final weights."""
+    gossip run's starts the datacenter's replica or collects its reports, snapshots and final weights; a pipeline
+    run's runs the round's steps of the datacenter's stage with the other stages."""
     started = time.perf_counter()
     config = msg.content[CONFIG_KEY]
     datacenter = str(config[proto.DATACENTER])
-    # a streaming run's message asks for one exchange; a gossip run's controls the replica; any other, for one round's
-    # local steps
-    kind = StreamRequest if proto.EXCHANGE in config else GossipRequest if proto.GOSSIP in config else TrainRequest
+    # a streaming run's message asks for one exchange; a gossip run's controls the replica; a pipeline run's, for one
+    # round of the stage; any other, for one round's local steps
+    kind: type[StreamRequest | GossipRequest | PipelineRequest | TrainRequest] = (
+        StreamRequest if proto.EXCHANGE in config else GossipRequest if proto.GOSSIP in config
+        else PipelineRequest if proto.PIPELINE in config else TrainRequest)
     request = kind.from_message(msg.content)
     if proto.NODE_SERVICE in context.node_config:  # production: the node service knows where the run's trainer is
         socket_path = _node_service(context, {"run_id": request.run_id})["socket"]
@@ -75,4 +87,5 @@ def train(msg: Message, context: Context) -> Message:
         authkey_file = context.node_config.get(proto.NODE_TRAINER_AUTHKEY_FILE) or run_dir.authkey_file
     answer = call_trainer(str(socket_path), Path(str(authkey_file)).read_bytes(), request.to_dict())
     answer["metrics"] = {**answer["metrics"], proto.CLIENTAPP_S: time.perf_counter() - started}
-    return Message((gossip_reply_content if kind is GossipRequest else reply_content)(answer), reply_to=msg)
+    content = {GossipRequest: gossip_reply_content, PipelineRequest: pipeline_reply_content}.get(kind, reply_content)
+    return Message(content(answer), reply_to=msg)

@@ -45,6 +45,7 @@ from crossdc.clients.gossip_replica import GossipReplica, dense_payload
 from crossdc.clients.gossip_transport import GossipTransport, exchange_all
 from crossdc.clients.local_round import run_local_round
 from crossdc.clients.local_training import LocalTrainer
+from crossdc.clients.pipeline_stage import StageFailed, StageRunner, StageSettings
 from crossdc.clients.state_store import StateStoreError
 from crossdc.clients.streaming_replica import SentUpdate, StreamingReplica, sent_answer
 from crossdc.clients.streaming_worker import StreamingFailed, StreamingWorker
@@ -55,16 +56,18 @@ from crossdc.compression.wire import CodecError
 from crossdc.experiment.builders import datacenter_seed, initial_model
 from crossdc.experiment.config import parse_config
 from crossdc.experiment.processes import die_with_parent
-from crossdc.experiment.rundir import SETTINGS_GOSSIP_ADDRESSES, RunDir
-from crossdc.protocol import GossipRequest, ProtocolError, StreamRequest, TrainRequest
+from crossdc.experiment.rundir import SETTINGS_GOSSIP_ADDRESSES, SETTINGS_PIPELINE_GROUP, RunDir
+from crossdc.protocol import GossipRequest, PipelineRequest, ProtocolError, StreamRequest, TrainRequest
 from crossdc.strategies.base import Strategy, StrategyError
 from crossdc.strategies.gossip import Gossip
+from crossdc.strategies.pipeline import Pipeline, stage_blocks
 from crossdc.strategies.streaming_diloco import StreamingDiLoCo
 from crossdc.workloads import model_weights
+from crossdc.workloads.stages import model_blocks
 
 log = logging.getLogger("crossdc.trainer")
 
-RequestT = TypeVar("RequestT", TrainRequest, StreamRequest, GossipRequest)
+RequestT = TypeVar("RequestT", TrainRequest, StreamRequest, GossipRequest, PipelineRequest)
 
 class DatacenterTrainer:
     """Handles requests for one datacenter of one run, as rank 0 of its worker group.
@@ -86,6 +89,9 @@ class DatacenterTrainer:
         self.streaming: StreamingWorker | None = None
         #: a gossip run's agent, training and exchanging in its own thread from the run's start message on
         self.gossip: GossipAgent | None = None
+        #: a pipeline run's stage, and the last round it trained
+        self.stage: StageRunner | None = None
+        self.stage_round = 0
         self.world = next(dc.workers for dc in config.datacenters if dc.name == datacenter)
         self.lr = config.workload.lr
         self.codecs, self.codec_seed = config.compression.codecs, datacenter_seed(config, datacenter)
@@ -141,6 +147,9 @@ class DatacenterTrainer:
         self.workers = []
 
     def close(self) -> None:
+        if self.stage is not None:
+            self.stage.close()
+            self.stage = None
         if self.gossip is not None:
             self.gossip.cancel(self.config.run.round_timeout_s)
             self.gossip = None
@@ -188,7 +197,89 @@ class DatacenterTrainer:
             return self._stream(request)
         if op == proto.GOSSIP_OP:
             return self._gossip(request)
+        if op == proto.PIPELINE_OP:
+            return self._pipeline(request)
         return {"ok": False, "error": f"unknown trainer op {op!r}"}
+
+    def _pipeline(self, message: dict[str, Any]) -> dict[str, Any]:
+        """One round of a pipeline run at this datacenter's stage: its τ optimizer steps with the other stages, its
+        state saved for the round, and what it did (crossdc.clients.pipeline_stage.StageRound) with, if asked, its
+        weights. The first message of an attempt builds the stage: on the run's initial weights, on the state saved
+        after the checkpointed round a resumed attempt continues from, or (a trainer restarted between rounds) on
+        the state saved after the round before."""
+        request, refusal = self._read(PipelineRequest, message, (Pipeline, "run a pipeline stage"))
+        if refusal is not None:
+            return refusal
+        if request.attempt < self.attempt:
+            return {"ok": False, "error": f"a message of attempt {request.attempt} at the run; attempt {self.attempt} "
+                                          "is running"}
+        try:
+            if self.stage is None or request.attempt > self.attempt:
+                self._start_stage(request)
+            stage = self.stage
+            assert stage is not None
+            if request.round <= self.stage_round:
+                return {"ok": False, "error": f"{self.datacenter}: round {request.round} is not newer than round "
+                                              f"{self.stage_round}, already trained here"}
+            if request.round != self.stage_round + 1:
+                raise StageFailed(f"round {request.round} asked of a stage that trained round {self.stage_round}: "
+                                  "resume the run")
+            if request.checkpoint_round is not None:  # keep the states a resume to that checkpoint needs
+                self.store.keep_from = request.checkpoint_round
+            done = stage.train_steps(request.tau)
+            self.store.save(PIPELINE_STATE_KEY, stage.state_dict(), request.round)
+            self.stage_round = request.round
+        except (StageFailed, StateStoreError, StrategyError) as err:
+            return {"ok": False, "error": f"{self.datacenter}: {err}".splitlines()[0]}
+        report = {"stage": stage.settings.index, "steps": done.steps, "started": done.started,
+                  "compute_s": done.compute_s, "wall_s": done.wall_s, "bubble_fraction": done.bubble_fraction,
+                  "bytes_forward": done.bytes_forward, "bytes_backward": done.bytes_backward,
+                  "examples": done.examples, "loss": done.loss, "spans": [list(span) for span in done.spans],
+                  "order": [list(entry) for entry in done.order], "steps_taken": stage.steps_taken}
+        return {"ok": True, "report": report, "weights": stage.weights() if request.weights else None,
+                "metrics": {proto.TRAINER_PID: os.getpid(), proto.WORKERS: self.world,
+                            proto.WORKER_PIDS: self.worker_pids()}}
+
+    def _start_stage(self, request: PipelineRequest) -> None:
+        """This datacenter's stage for the attempt `request` belongs to (see :meth:`_pipeline`)."""
+        strategy = self.strategy
+        assert isinstance(strategy, Pipeline)
+        if self.world > 1:
+            raise StrategyError(f"a pipeline stage runs on one worker; '{self.datacenter}' has {self.world} "
+                                "(data parallel inside a stage is not built yet)")
+        if self.stage is not None:
+            self.stage.close()
+            self.stage = None
+        group = self.run_dir.settings().get(SETTINGS_PIPELINE_GROUP)
+        if not group:
+            raise StrategyError("the run's settings say nowhere for the stages to meet (this launcher cannot run a "
+                                "pipeline)")
+        config, names = self.config, self.config.datacenter_names
+        params = strategy.params
+        settings = StageSettings(
+            index=names.index(self.datacenter), stages=len(names), microbatches=int(params["microbatches"]),
+            schedule=str(params["schedule"]), activation_codec=str(params["activation_codec"]),
+            codec_rank=int(params["codec_rank"]) or None, master=f"{group['master'][0]}:{group['master'][1]}",
+            timeout_s=float(params["stage_timeout_s"]), interface=group.get("interfaces", {}).get(self.datacenter))
+        workload = self.trainer.workload
+        model = initial_model(config, workload)
+        w = config.workload
+        stage = StageRunner(workload, model, stage_blocks(model_blocks(model), len(names), strategy.layers()), settings,
+                            batch_size=w.batch_size, optimizer=w.optimizer, lr=w.lr,
+                            data_seed=datacenter_seed(config, names[0]), codec_seed=config.run.seed)
+        if request.attempt > self.attempt and request.resume_round is not None:
+            self.store.rewind(request.resume_round)
+        after = request.resume_round if request.attempt > self.attempt and request.resume_round is not None \
+            else request.round - 1
+        stored = self.store.load(PIPELINE_STATE_KEY)
+        if after > 0:
+            if stored is None or stored[1] != after:
+                raise StateStoreError(f"no state of this stage saved after round {after} to go on from"
+                                      + (f" (the newest is of round {stored[1]})" if stored is not None else ""))
+            stage.load_state_dict(stored[0])
+            log.info("%s: pipeline stage %d resumed after round %d", self.datacenter, settings.index, after)
+        self.stage, self.stage_round = stage, after
+        self._set_attempt(request.attempt)
 
     def _gossip(self, message: dict[str, Any]) -> dict[str, Any]:
         """One message of a gossip run: ``start`` starts the replica's agent (a trainer restarted mid-run goes on from
@@ -423,6 +514,8 @@ class DatacenterTrainer:
 ATTEMPT_FILE = "attempt"
 #: the state-store key of a streaming replica's state, saved after each round's last send when the run checkpoints
 STREAMING_STATE_KEY = "streaming-replica"
+#: the state-store key of a pipeline stage's state (its weights, optimizer, data position), saved after every round
+PIPELINE_STATE_KEY = "pipeline-stage"
 #: the state-store key of a gossip replica's state, with the reports the coordinator has not acknowledged
 GOSSIP_STATE_KEY = "gossip-replica"
 

@@ -197,12 +197,16 @@ class TimelineSpanRow(BaseModel):
     round: int
     datacenter: str
     kind: str = Field(description="compute or wait (what the datacenter's trainer did), up (its update on the way to "
-                                  "the coordinator) or down (the coordinator's result on the way to it).")
-    start_s: float = Field(description="Seconds since the run's start: on the datacenter's clock for compute and wait, "
-                                       "on the coordinator's for up and down.")
+                                  "the coordinator) or down (the coordinator's result on the way to it); in a pipeline "
+                                  "run, forward or backward (the stage on that datacenter computing one micro-batch).")
+    start_s: float = Field(description="Seconds since the run's start: on the datacenter's clock for compute, wait, "
+                                       "forward and backward, on the coordinator's for up and down.")
     end_s: float = Field(description="Seconds since the run's start, on the same clock; never before start_s.")
     fragment: int | None = Field(description="A streaming run's fragment (null otherwise).")
     exchange: int | None = Field(description="A streaming run's exchange (null otherwise).")
+    microbatch: int | None = Field(description="A forward or backward span's micro-batch, from 0 (null otherwise).")
+    step: int | None = Field(description="A forward or backward span's optimizer step, from 1, counted over the run "
+                                         "(null otherwise).")
 
 
 class TimelinePage(BaseModel):
@@ -259,6 +263,35 @@ class LinkTotals(BaseModel):
     datacenters: list[str] = Field(description="The run's config's datacenters in config order, then any other "
                                                "that its link rows name, by name.")
     items: list[LinkTotalRow] = Field(description="One per pair with at least one link_rounds row, by (a, b).")
+
+
+class PipelineStageRow(BaseModel):
+    """One stage's part of one round of a pipeline run."""
+
+    round: int
+    stage: int = Field(description="The stage, from 0: the run's config's datacenters in order hold stages 0..S-1.")
+    datacenter: str = Field(description="The datacenter the stage ran on.")
+    steps: int = Field(description="Optimizer steps the stage ran this round.")
+    microbatches: int = Field(description="Micro-batches per step.")
+    compute_s: float = Field(description="The stage's forward and backward compute over the round, seconds.")
+    wall_s: float = Field(description="The round's steps end to end at the stage, seconds.")
+    bubble_fraction: float = Field(description="The share of wall_s the stage was not computing (0 to 1).")
+    bytes_forward: int = Field(description="Activation bytes that crossed the boundary after the stage, toward "
+                                           "stage + 1, this round (0 for the last stage).")
+    bytes_backward: int = Field(description="Gradient bytes that crossed the boundary before the stage, back to "
+                                            "stage - 1, this round (0 for the first stage).")
+    bytes_source: str = Field(description="Who counted the bytes: delay-line (the WAN emulator's link ledger) or "
+                                          "stage (the stage itself).")
+    train_loss: float | None = Field(description="The last stage's mean micro-batch loss this round (null on the "
+                                                 "other stages).")
+
+
+class PipelineStages(BaseModel):
+    """A pipeline run's stages per round, by round then stage."""
+
+    run_id: str
+    round: int | None = Field(description="The round filter, if one was given.")
+    items: list[PipelineStageRow]
 
 
 class DatacenterInfo(BaseModel):
@@ -517,11 +550,13 @@ def get_timeline(
     limit: Annotated[int, Query(ge=1, le=queries.MAX_PAGE_SIZE,
                                 description=f"How many of the newest spans (at most {queries.MAX_PAGE_SIZE}).")] = 1000,
     datacenter: Annotated[str | None, Query(max_length=256, description="Only this datacenter's spans.")] = None,
+    round: Annotated[int | None, Query(ge=0, le=_INT32_MAX, description="Only this round's spans.")] = None,  # noqa: A002
 ) -> Response:
-    """Per datacenter, what its trainer did (compute, wait) and what was in flight (up, down), in seconds since the
-    run's start: the run's newest ``limit`` spans, by datacenter then start."""
+    """Per datacenter, what its trainer did (compute, wait; in a pipeline run, each micro-batch's forward and
+    backward) and what was in flight (up, down), in seconds since the run's start: the run's newest ``limit`` spans,
+    by datacenter then start."""
     _require_run(conn, run_id)
-    items, truncated = queries.timeline_spans(conn, run_id, limit=limit, datacenter=datacenter)
+    items, truncated = queries.timeline_spans(conn, run_id, limit=limit, datacenter=datacenter, round=round)
     return _json_response({"run_id": run_id, "datacenter": datacenter, "limit": limit, "items": items,
                            "truncated": truncated})
 
@@ -540,6 +575,20 @@ def get_link_totals(run_id: RunId, conn: Conn) -> Response:
     Empty for other runs."""
     _require_run(conn, run_id)
     return _json_response({"run_id": run_id, **queries.link_totals(conn, run_id)})
+
+
+@router.get("/api/runs/{run_id}/pipeline-stages", response_model=PipelineStages, responses={**_404, **_503},
+            tags=["runs"])
+def get_pipeline_stages(
+    run_id: RunId,
+    conn: Conn,
+    round: Annotated[int | None, Query(ge=1, le=_INT32_MAX, description="Only this round's stages.")] = None,  # noqa: A002
+) -> Response:
+    """Per round and stage of a pipeline run: the stage's datacenter, steps and micro-batches, its compute and wall
+    seconds and bubble fraction, the bytes across its boundaries (forward: after it; backward: before it) and the
+    last stage's training loss; by round then stage (empty for other runs)."""
+    _require_run(conn, run_id)
+    return _json_response({"run_id": run_id, "round": round, "items": queries.pipeline_stages(conn, run_id, round=round)})
 
 
 @router.get("/api/datacenters", response_model=list[DatacenterInfo], responses=_503, tags=["datacenters"])

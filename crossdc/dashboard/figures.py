@@ -38,7 +38,7 @@ import numpy as np
 import plotly.graph_objects as go
 import plotly.io as pio
 
-from crossdc.db.models import TIMELINE_SPAN_KINDS
+from crossdc.db.models import MICROBATCH_SPAN_KINDS, SPAN_KINDS, TIMELINE_SPAN_KINDS
 from crossdc.db.values import finite_float
 
 Row = Mapping[str, Any]
@@ -58,6 +58,8 @@ FIGURE_IDS: dict[str, str] = {
     "comm_comp_ratio": "fig-comm-comp",
     "exposed_comm_comp_ratio": "fig-exposed-comm-comp",
     "timeline": "fig-timeline",
+    "pipeline_timeline": "fig-pipeline-timeline",
+    "pipeline_bubble": "fig-pipeline-bubble",
     "drift_per_datacenter": "fig-drift",
     "staleness_histogram": "fig-staleness",
     "staleness_over_time": "fig-staleness-time",
@@ -76,8 +78,19 @@ OVERHEAD_COLOR = "#9e9e9e"
 #: The timeline's colour of each span kind (crossdc.db.models.TIMELINE_SPAN_KINDS: compute, wait, up, down).
 TIMELINE_COLORS: dict[str, str] = dict(zip(TIMELINE_SPAN_KINDS, (COMPUTE_COLOR, ALERT_COLOR, COMM_COLOR, "#9467bd"),
                                            strict=True))
-#: The lane of each span kind in a datacenter's row: the trainer's (compute, wait), then one per transfer (up, down).
-_TIMELINE_LANES: dict[str, str] = dict(zip(TIMELINE_SPAN_KINDS, ("trainer", "trainer", "up", "down"), strict=True))
+#: The timeline's colour of a pipeline stage's micro-batch spans (crossdc.db.models.MICROBATCH_SPAN_KINDS).
+MICROBATCH_COLORS: dict[str, str] = dict(zip(MICROBATCH_SPAN_KINDS, ("#1f77b4", "#e377c2"), strict=True))
+#: The colour of every kind a span may have (crossdc.db.models.SPAN_KINDS).
+_SPAN_COLORS: dict[str, str] = {**TIMELINE_COLORS, **MICROBATCH_COLORS}
+#: The lane of each span kind in a datacenter's row: the trainer's (compute, wait, and a stage's forward and
+#: backward, which never overlap them), then one per transfer (up, down).
+_TIMELINE_LANES: dict[str, str] = dict(zip(SPAN_KINDS, ("trainer", "trainer", "up", "down", "trainer", "trainer"),
+                                           strict=True))
+#: What a span's hover text names after its times, when the span has it: the column, and how it is called.
+_SPAN_PLACES: tuple[tuple[str, str], ...] = (
+    ("round", "round"), ("fragment", "fragment"), ("exchange", "exchange"), ("step", "step"),
+    ("microbatch", "micro-batch"),
+)
 _COLORWAY = [
     "#1f77b4", "#ff7f0e", "#2ca02c", "#d62728", "#9467bd", "#8c564b", "#e377c2", "#7f7f7f",
     "#bcbd22", "#17becf", "#393b79", "#637939", "#8c6d31", "#843c39", "#7b4173", "#3182bd",
@@ -525,41 +538,81 @@ def exposed_comm_comp_ratio(dc_rows: Sequence[Row], alert: float = COMM_COMP_ALE
                            title="Exposed comm/comp", yaxis="idle_s / compute_s")
 
 
-def timeline(spans: Sequence[Row], *, max_spans: int = MAX_POINTS) -> go.Figure:
+def timeline(spans: Sequence[Row], *, max_spans: int = MAX_POINTS, lanes: Mapping[str, str] | None = None,
+             title: str = "Timeline per datacenter", yaxis: str = "datacenter",
+             empty: str = "no timeline recorded") -> go.Figure:
     """What each datacenter's trainer did and what was in flight, against seconds since the run's start.
 
     Takes ``timeline_spans`` rows (``datacenter``, ``kind``, ``start_s``, ``end_s``, and ``round``, ``fragment``,
-    ``exchange`` for the hover text). A Gantt-like chart of horizontal bars: one row per datacenter (by name, top
-    to bottom), one bar trace per kind present, in the order of ``TIMELINE_SPAN_KINDS`` and named after it
-    ("compute", "wait", "up", "down"), coloured by :data:`TIMELINE_COLORS`; a bar spans [start_s, end_s]. In each
-    row the trainer's spans (compute, wait) share one lane and the transfers (up, down) have one each, so that
-    what overlaps stays visible. Only the newest ``max_spans`` spans (the latest ``start_s``) are drawn; spans
-    of another kind or without finite times are left out. No span: a figure that says "no timeline recorded".
+    ``exchange``, ``step``, ``microbatch`` for the hover text). A Gantt-like chart of horizontal bars: one row per
+    datacenter (by name, top to bottom), one bar trace per kind present, in the order of ``SPAN_KINDS`` and named
+    after it ("compute", "wait", "up", "down", then a pipeline stage's "forward" and "backward"), coloured by
+    :data:`TIMELINE_COLORS` and :data:`MICROBATCH_COLORS`; a bar spans [start_s, end_s]. In each row the trainer's
+    spans (compute, wait, forward, backward) share one lane and the transfers (up, down) have one each, so that what
+    overlaps stays visible. Only the newest ``max_spans`` spans (the latest ``start_s``) are drawn; spans of another
+    kind or without finite times are left out. No span: a figure that says ``empty`` ("no timeline recorded").
+
+    ``lanes`` (datacenter → row label, in the order the rows go top to bottom) names and orders the rows instead:
+    each of its rows is drawn, with spans or not, then any other datacenter's by name; ``title`` and ``yaxis`` name
+    the chart and its rows (a pipeline run's stages: :func:`pipeline_timeline`).
     """
-    usable = [s for s in spans if s.get("kind") in TIMELINE_COLORS
+    usable = [s for s in spans if s.get("kind") in _SPAN_COLORS
               and finite(s.get("start_s")) is not None and finite(s.get("end_s")) is not None]
     if len(usable) > max_spans:
         usable = sorted(usable, key=lambda s: float(s["start_s"]))[-max_spans:]
-    names = sorted({str(s["datacenter"]) for s in usable})
-    fig = _figure("Timeline per datacenter", "seconds since the run's start", "datacenter", barmode="group",
-                  bargap=0.25, bargroupgap=0.05)
+    labels = dict(lanes or {})
+    others = sorted({str(s["datacenter"]) for s in usable} - set(labels))
+    names = ([labels[name] for name in labels] if usable else []) + others
+    fig = _figure(title, "seconds since the run's start", yaxis, barmode="group", bargap=0.25, bargroupgap=0.05)
     fig.update_yaxes(categoryorder="array", categoryarray=names, autorange="reversed")
-    for kind in TIMELINE_SPAN_KINDS:
+    for kind in SPAN_KINDS:
         rows = [s for s in usable if s["kind"] == kind]
         if not rows:
             continue
         start, end = floats(s["start_s"] for s in rows), floats(s["end_s"] for s in rows)
-        texts = [f"{a:.6g} s to {b:.6g} s" + "".join(f" · {key} {s[key]}" for key in ("round", "fragment", "exchange")
+        texts = [f"{a:.6g} s to {b:.6g} s" + "".join(f" · {label} {s[key]}" for key, label in _SPAN_PLACES
                                                      if s.get(key) is not None)
                  for a, b, s in zip(start, end, rows, strict=True)]
         fig.add_trace(go.Bar(
-            y=[str(s["datacenter"]) for s in rows], x=end - start, base=start, orientation="h", name=kind,
-            offsetgroup=_TIMELINE_LANES[kind], marker_color=TIMELINE_COLORS[kind], customdata=texts,
+            y=[labels.get(str(s["datacenter"]), str(s["datacenter"])) for s in rows], x=end - start, base=start,
+            orientation="h", name=kind, offsetgroup=_TIMELINE_LANES[kind], marker_color=_SPAN_COLORS[kind],
+            marker_line=dict(color="white", width=0.5), customdata=texts,
             hovertemplate=f"%{{y}} · {kind}<br>%{{customdata}}<extra></extra>",
         ))
     if not usable:
-        _note(fig, "no timeline recorded")
+        _note(fig, empty)
     return fig
+
+
+def stage_label(stage: int, datacenter: str) -> str:
+    """How the pipeline views name a stage: ``"stage 0 · us-east"``."""
+    return f"stage {stage} · {datacenter}"
+
+
+def pipeline_timeline(spans: Sequence[Row], stages: Mapping[str, int], *, round_: int | None = None,
+                      max_spans: int = MAX_POINTS) -> go.Figure:
+    """One round of a pipeline run, per stage: its micro-batches' forward and backward spans (and any other span the
+    stage logged) against seconds since the run's start, one row per stage labelled "stage i · datacenter",
+    stage 0 on top; the hover text names each span's step and micro-batch. ``stages`` maps each stage's datacenter
+    to its index; ``spans`` are the round's ``timeline_spans`` rows. Drawn by :func:`timeline`."""
+    lanes = {name: stage_label(index, name) for name, index in sorted(stages.items(), key=lambda item: item[1])}
+    title = "Pipeline stages" + (f", round {round_}" if round_ is not None else "") + ": micro-batches"
+    return timeline(spans, max_spans=max_spans, lanes=lanes, title=title, yaxis="stage",
+                    empty="no micro-batch spans in this round")
+
+
+def _lines_per_group(fig: go.Figure, groups: Mapping[str, Sequence[Row]], key: str, label: str,
+                     max_points: int) -> None:
+    """One line of ``key`` vs. round per group (in the mapping's order, named after it, the dashboard's colours in
+    turn); a group without a finite value of ``key`` gets no trace."""
+    for i, (name, group) in enumerate(groups.items()):
+        rows = sorted(group, key=lambda r: r["round"])
+        px, py = _points([r["round"] for r in rows], [r.get(key) for r in rows], max_points)
+        if len(px):
+            fig.add_trace(go.Scatter(
+                x=px, y=py, name=name, mode=_mode(len(px)), line=dict(color=_COLORWAY[i % len(_COLORWAY)]),
+                hovertemplate=f"{name}<br>round %{{x}}<br>{label} %{{y:.4g}}<extra></extra>",
+            ))
 
 
 def drift_per_datacenter(dc_rounds: Sequence[Row], *, max_points: int = MAX_POINTS) -> go.Figure:
@@ -572,16 +625,29 @@ def drift_per_datacenter(dc_rounds: Sequence[Row], *, max_points: int = MAX_POIN
         groups.setdefault(str(row["datacenter"]), []).append(row)
     fig = _figure("Drift per datacenter (drift_l2)", "round", "drift_l2")
     _round_axis(fig, [r["round"] for r in dc_rounds])
-    for i, name in enumerate(sorted(groups)):
-        rows = sorted(groups[name], key=lambda r: r["round"])
-        px, py = _points([r["round"] for r in rows], [r.get("drift_l2") for r in rows], max_points)
-        if len(px):
-            fig.add_trace(go.Scatter(
-                x=px, y=py, name=name, mode=_mode(len(px)), line=dict(color=_COLORWAY[i % len(_COLORWAY)]),
-                hovertemplate=f"{name}<br>round %{{x}}<br>drift %{{y:.4g}}<extra></extra>",
-            ))
+    _lines_per_group(fig, {name: groups[name] for name in sorted(groups)}, "drift_l2", "drift", max_points)
     if not fig.data:
         _note(fig, "no drift measured")
+    return fig
+
+
+def pipeline_bubble(stage_rows: Sequence[Row], *, max_points: int = MAX_POINTS) -> go.Figure:
+    """A pipeline run's bubble fraction (the share of a stage's wall time it was not computing) vs. round, one line
+    per stage, stage 0 first, each named "stage i · datacenter" (after the datacenter of the stage's latest row).
+
+    Takes ``pipeline_stages`` rows; with none, the figure says "no pipeline stage logged yet".
+    """
+    groups: dict[int, list[Row]] = {}
+    for row in stage_rows:
+        groups.setdefault(int(row["stage"]), []).append(row)
+    named = {stage_label(stage, str(max(rows, key=lambda r: r["round"])["datacenter"])): rows
+             for stage, rows in sorted(groups.items())}
+    fig = _figure("Pipeline bubble per stage", "round", "bubble fraction (of the stage's wall time)")
+    _round_axis(fig, [r["round"] for r in stage_rows])
+    fig.update_yaxes(range=[0, 1.05], tickformat=".0%")
+    _lines_per_group(fig, named, "bubble_fraction", "bubble", max_points)
+    if not fig.data:
+        _note(fig, "no pipeline stage logged yet")
     return fig
 
 
@@ -692,6 +758,7 @@ __all__ = [
     "TIMELINE_COLORS",
     "FIGURE_IDS",
     "MAX_POINTS",
+    "MICROBATCH_COLORS",
     "SUMMARY_KEYS",
     "bytes_per_round",
     "comm_comp",
@@ -709,7 +776,10 @@ __all__ = [
     "loss_vs_bytes",
     "loss_vs_round",
     "loss_vs_wall_time",
+    "pipeline_bubble",
+    "pipeline_timeline",
     "staleness_histogram",
+    "stage_label",
     "staleness_over_time",
     "summarize_datacenters",
     "tau_schedule",

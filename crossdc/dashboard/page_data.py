@@ -9,7 +9,9 @@ Promises:
   datacenter's last round); totals come from SQL aggregates over all rows, so they stay
   exact. A run of 10,000 rounds × 16 datacenters reads ~10,000 per-datacenter rows,
   not 160,000.
-  The timeline reads only the newest :data:`MAX_TIMELINE_SPANS` spans, picked on an index.
+  The timeline reads only the newest :data:`MAX_TIMELINE_SPANS` spans, picked on an index; a pipeline run's
+  per-stage view reads one round's spans (as many at most) and its stages' rows thinned to at most
+  :data:`~crossdc.dashboard.figures.MAX_POINTS` rounds per stage.
 * Rows are plain dicts keyed by column names (as :mod:`crossdc.db.queries` returns them),
   so they feed :mod:`crossdc.dashboard.figures` unchanged.
 * The status shown is the *effective* status of
@@ -30,8 +32,17 @@ from cachetools import LRUCache
 from sqlalchemy import Connection, and_, case, func, or_, select
 
 from crossdc.dashboard.figures import MAX_POINTS, comm_comp, finite, summarize_datacenters, utilisation
-from crossdc.dashboard.queries import as_utc, could_be_run_id, effective_status
-from crossdc.db.models import ASYNC_UPDATES, DATACENTER_ROUNDS, DATACENTERS, EVENTS, ROUNDS, RUNS, TIMELINE_SPANS
+from crossdc.dashboard.queries import as_utc, could_be_run_id, effective_status, pipeline_stages, run_datacenters
+from crossdc.db.models import (
+    ASYNC_UPDATES,
+    DATACENTER_ROUNDS,
+    DATACENTERS,
+    EVENTS,
+    PIPELINE_STAGES,
+    ROUNDS,
+    RUNS,
+    TIMELINE_SPANS,
+)
 from crossdc.db.queries import list_timeline_spans
 
 #: Points per datacenter trace summed over all datacenters; each trace gets at most MAX_POINTS.
@@ -46,6 +57,10 @@ EVENTS_WITH_DETAIL = 200
 MAX_TIMELINE_SPANS = 2000
 #: The runs list shows at most this many of the newest runs.
 MAX_RUNS_LISTED = 500
+#: The strategy whose runs get the pipeline views even before they logged anything (pipeline parallelism).
+PIPELINE_STRATEGY = "pipeline"
+#: A pipeline run's page offers at most this many of its latest rounds to pick from (and the one shown).
+MAX_PIPELINE_ROUND_CHOICES = 500
 
 _ROUND_COLUMNS = ("round", "tau", "val_loss", "val_accuracy", "bytes_up", "bytes_down", "bytes_up_raw", "wall_s")
 _DC_SAMPLE_COLUMNS = (
@@ -100,6 +115,31 @@ class RunPageData:
     #: the run's newest MAX_TIMELINE_SPANS timeline spans (crossdc.db.queries.list_timeline_spans), and how many it has
     timeline: list[dict[str, Any]] = field(default_factory=list)
     timeline_total: int = 0
+    #: a pipeline run's per-stage views (``None`` for a run that gets none: see :func:`load_pipeline_view`)
+    pipeline: PipelineView | None = None
+
+
+@dataclass
+class PipelineView:
+    """What a pipeline run's page shows of one of its rounds, and of its stages over the rounds.
+
+    ``round``: the round shown (the one asked for when the run logged its stage rows, else the latest that did;
+    ``None`` before the first). ``rounds``: the rounds to pick from, newest first (at most MAX_PIPELINE_ROUND_CHOICES,
+    the shown one always among them); ``rounds_total``: how many rounds logged stage rows. ``stages``: the
+    shown round's ``pipeline_stages`` rows, by stage; ``lanes``: each stage's datacenter → its stage index (from
+    those rows, else the run's config order); ``spans``: the shown round's newest MAX_TIMELINE_SPANS
+    ``timeline_spans`` rows, of ``spans_total``. ``series``: every stage's rows over the run, thinned to every k-th
+    round (the last kept) so that each stage has at most MAX_POINTS, for the charts over rounds.
+    """
+
+    round: int | None
+    rounds: list[int]
+    rounds_total: int
+    stages: list[dict[str, Any]]
+    lanes: dict[str, int]
+    spans: list[dict[str, Any]]
+    spans_total: int
+    series: list[dict[str, Any]]
 
 
 def run_version(conn: Connection, run_id: str, now: datetime) -> tuple[str, bool] | None:
@@ -123,10 +163,11 @@ def run_version(conn: Connection, run_id: str, now: datetime) -> tuple[str, bool
     last_event = conn.execute(select(func.max(EVENTS.c.id)).where(EVENTS.c.run_id == run_id)).scalar()
     n_async = conn.execute(select(func.count()).where(ASYNC_UPDATES.c.run_id == run_id)).scalar()
     n_spans = _timeline_total(conn, run_id)
+    n_stages = conn.execute(select(func.count()).where(PIPELINE_STAGES.c.run_id == run_id)).scalar()
     shown = with_status(_row(run), rounds[2], now)
     marker = "|".join(str(part) for part in (
         shown["status"], as_utc(run["last_heartbeat"]), as_utc(run["finished_at"]),
-        rounds[0], rounds[1], n_dc, last_event, n_async, n_spans,
+        rounds[0], rounds[1], n_dc, last_event, n_async, n_spans, n_stages,
     ))
     return marker, bool(shown["running"])
 
@@ -309,6 +350,69 @@ def _staleness_series(conn: Connection, run_id: str, total: int) -> list[dict[st
     return _dicts(conn, stmt, _STALENESS_COLUMNS)
 
 
+def _pipeline_rounds(conn: Connection, run_id: str) -> tuple[list[int], int]:
+    """The run's rounds with ``pipeline_stages`` rows, newest first (at most MAX_PIPELINE_ROUND_CHOICES), and how many
+    there are; from the unique index on (run_id, round, stage)."""
+    ps = PIPELINE_STAGES
+    total = int(conn.execute(select(func.count(func.distinct(ps.c.round))).where(ps.c.run_id == run_id)).scalar() or 0)
+    newest = [int(r) for (r,) in conn.execute(
+        select(ps.c.round).where(ps.c.run_id == run_id).group_by(ps.c.round).order_by(ps.c.round.desc())
+        .limit(MAX_PIPELINE_ROUND_CHOICES))]
+    return newest, total
+
+
+def _has_round(conn: Connection, run_id: str, round_: int) -> bool:
+    """Whether the run logged ``pipeline_stages`` rows in ``round_``."""
+    ps = PIPELINE_STAGES
+    return conn.execute(select(ps.c.id).where(ps.c.run_id == run_id, ps.c.round == round_).limit(1)).first() is not None
+
+
+def _stage_series(conn: Connection, run_id: str) -> list[dict[str, Any]]:
+    """The run's ``pipeline_stages`` rows by round then stage, thinned to every k-th round from the first (the last
+    round kept) so that each stage has at most MAX_POINTS rows."""
+    ps = PIPELINE_STAGES
+    first, last, count = conn.execute(
+        select(func.min(ps.c.round), func.max(ps.c.round), func.count(func.distinct(ps.c.round))).where(ps.c.run_id == run_id)
+    ).one()
+    if first is None:
+        return []
+    stride = 1 if count <= MAX_POINTS else math.ceil((last - first + 1) / (MAX_POINTS - 1))
+    stmt = select(*(ps.c[c] for c in _STAGE_SERIES_COLUMNS)).where(ps.c.run_id == run_id)
+    if stride > 1:
+        stmt = stmt.where(or_((ps.c.round - first) % stride == 0, ps.c.round == last))
+    return _dicts(conn, stmt.order_by(ps.c.round, ps.c.stage), _STAGE_SERIES_COLUMNS)
+
+
+_STAGE_SERIES_COLUMNS = ("round", "stage", "datacenter", "compute_s", "wall_s", "bubble_fraction", "bytes_forward",
+                         "bytes_backward")
+
+
+def load_pipeline_view(conn: Connection, run: Mapping[str, Any], *, round_: int | None = None) -> PipelineView | None:
+    """The pipeline views' data of ``run`` (its ``runs`` row) at round ``round_`` (``None``, or a round without stage
+    rows: the latest with some), or ``None`` for a run that gets none: one whose strategy is not pipeline and that
+    logged no ``pipeline_stages`` row. A few indexed reads, whatever the size of the run (see the module doc)."""
+    run_id = str(run["id"])
+    rounds, total = _pipeline_rounds(conn, run_id)
+    if run["strategy"] != PIPELINE_STRATEGY and not total:
+        return None
+    shown = round_ if round_ is not None and _has_round(conn, run_id, round_) else (rounds[0] if rounds else None)
+    if shown is None:
+        return PipelineView(round=None, rounds=[], rounds_total=0, stages=[], lanes={}, spans=[], spans_total=0,
+                            series=[])
+    if shown not in rounds:
+        rounds = sorted([*rounds, shown], reverse=True)
+    stages = pipeline_stages(conn, run_id, round=shown)
+    lanes = {str(row["datacenter"]): int(row["stage"]) for row in stages}
+    for index, name in enumerate(run_datacenters(run)):  # stages 0..S-1 are the config's datacenters, in order
+        if index not in lanes.values():
+            lanes.setdefault(name, index)
+    ts = TIMELINE_SPANS
+    spans_total = int(conn.execute(select(func.count()).where(ts.c.run_id == run_id, ts.c.round == shown)).scalar() or 0)
+    spans = list_timeline_spans(conn, run_id, round=shown, limit=MAX_TIMELINE_SPANS) if spans_total else []
+    return PipelineView(round=shown, rounds=rounds, rounds_total=total, stages=stages, lanes=lanes, spans=spans,
+                        spans_total=spans_total, series=_stage_series(conn, run_id))
+
+
 def _run_rounds(conn: Connection, run_id: str) -> list[dict[str, Any]]:
     """The run's ``rounds`` rows (the columns the charts need), by round."""
     stmt = select(*(ROUNDS.c[c] for c in _ROUND_COLUMNS)).where(ROUNDS.c.run_id == run_id).order_by(ROUNDS.c.round)
@@ -316,12 +420,14 @@ def _run_rounds(conn: Connection, run_id: str) -> list[dict[str, Any]]:
 
 
 def load_run_page(
-    conn: Connection, run_id: str, now: datetime, *, cache: AggregateCache | None = None, cache_key: Hashable = None
+    conn: Connection, run_id: str, now: datetime, *, cache: AggregateCache | None = None, cache_key: Hashable = None,
+    pipeline_round: int | None = None,
 ) -> RunPageData | None:
     """The run page's data for ``run_id``, or ``None`` when there is no such run.
 
     With ``cache`` (one per database; ``cache_key`` names the database), the per-datacenter
-    totals of a long run are updated from the rounds logged since the last call.
+    totals of a long run are updated from the rounds logged since the last call. ``pipeline_round``: the round a
+    pipeline run's per-stage views show (default: its latest; see :func:`load_pipeline_view`).
     """
     if not could_be_run_id(run_id):
         return None
@@ -389,6 +495,7 @@ def load_run_page(
         staleness_series=_staleness_series(conn, run_id, async_total),
         has_staleness=async_total > 0 or any(int(a.get("staleness_n") or 0) for a in aggregates),
         timeline=timeline, timeline_total=timeline_total,
+        pipeline=load_pipeline_view(conn, found, round_=pipeline_round),
     )
 
 
@@ -480,11 +587,15 @@ __all__ = [
     "AggregateCache",
     "DATACENTER_POINT_BUDGET",
     "MAX_EVENTS",
+    "MAX_PIPELINE_ROUND_CHOICES",
     "MAX_TIMELINE_SPANS",
+    "PIPELINE_STRATEGY",
+    "PipelineView",
     "RunPageData",
     "compare_data",
     "datacenter_list",
     "datacenter_summary",
+    "load_pipeline_view",
     "load_run_page",
     "merge_aggregates",
     "points_per_datacenter",

@@ -5,13 +5,15 @@ Routes (all read-only, none in the OpenAPI schema):
 * ``/``: the runs, newest first, with status and headline numbers; pick runs to compare.
 * ``/runs/{run_id}``: one run's charts and tables (the staleness charts only for a run with
   staleness, i.e. an asynchronous one; the timeline only for a run with timeline spans; the
-  gossip views, topology and consensus curve, only for a gossip run: see :func:`gossip_views`); 404
-  page for an unknown id. While the run
+  gossip views, topology and consensus curve, only for a gossip run: see :func:`gossip_views`; the
+  pipeline views, per-stage micro-batch timeline of one round, its stages' table and the bubble per
+  round, only for a pipeline run: see :func:`crossdc.dashboard.page_data.load_pipeline_view`, with
+  ``?round=N`` picking the round, the latest by default); 404 page for an unknown id. While the run
   is running the page polls ``/runs/{run_id}/live.json`` every ~2 s and redraws itself
   (``Plotly.react``) when the run's version marker changed; it stops when the run stops.
 * ``/runs/{run_id}/live.json``: ``{"version", "changed", "running", "status"}``, plus
   ``figures`` (div id → plotly JSON) and ``fragments`` (element id → HTML) when the
-  version differs from the ``version`` query parameter.
+  version differs from the ``version`` query parameter (``round``: as the run page's).
 * ``/compare?runs=ID,ID,...``: two or more runs overlaid; 400 page for a bad list, 404 for
   an unknown id.
 * ``/datacenters``: enrolled datacenters, status and last seen.
@@ -26,12 +28,13 @@ marker, so reloads, several viewers and polls of an unchanged run cost one cheap
 from __future__ import annotations
 
 import json
+import re
 import threading
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from datetime import datetime
 from pathlib import Path
-from typing import Any
+from typing import Annotated, Any
 
 import plotly
 import plotly.graph_objects as go
@@ -48,6 +51,7 @@ from crossdc.dashboard.page_data import (
     EVENTS_WITH_DETAIL,
     MAX_TIMELINE_SPANS,
     AggregateCache,
+    PipelineView,
     RunPageData,
     compare_data,
     datacenter_list,
@@ -131,6 +135,12 @@ def age(value: Any) -> str:
     return f"{x / 86400:.1f} d ago"
 
 
+def percent(value: Any) -> str:
+    """A fraction as a percentage: ``0.125`` → ``"12.5 %"``; missing → ``"–"``."""
+    x = figures.finite(value)
+    return "–" if x is None else f"{100 * x:.3g} %"
+
+
 def detail_text(value: Any) -> str:
     """An event's ``detail`` (a JSON object or string) as one short line."""
     if value is None:
@@ -143,6 +153,7 @@ def detail_text(value: Any) -> str:
 templates = Jinja2Templates(directory=TEMPLATES_DIR)
 _FILTERS: dict[str, Callable[..., str]] = {
     "bytes": human_bytes, "num": number, "seconds": seconds, "utc": utc, "age": age, "detail": detail_text,
+    "percent": percent,
 }
 templates.env.filters.update(_FILTERS)
 templates.env.globals.update(plotly_version=plotly.__version__, figure_ids=FIGURE_IDS)
@@ -224,7 +235,18 @@ def run_figures(data: RunPageData) -> dict[str, go.Figure]:
         figs[FIGURE_IDS["staleness_over_time"]] = figures.staleness_over_time(data.staleness_series)
     if data.timeline:
         figs[FIGURE_IDS["timeline"]] = figures.timeline(data.timeline, max_spans=MAX_TIMELINE_SPANS)
+    if data.pipeline is not None:
+        figs.update(pipeline_figures(data.pipeline))
     return figs
+
+
+def pipeline_figures(view: PipelineView) -> dict[str, go.Figure]:
+    """A pipeline run's figures by div id: the shown round's micro-batches per stage, and the bubble per round."""
+    return {
+        FIGURE_IDS["pipeline_timeline"]: figures.pipeline_timeline(view.spans, view.lanes, round_=view.round,
+                                                                    max_spans=MAX_TIMELINE_SPANS),
+        FIGURE_IDS["pipeline_bubble"]: figures.pipeline_bubble(view.series),
+    }
 
 
 #: The run page's parts that live updates replace: element id → template.
@@ -233,24 +255,29 @@ RUN_FRAGMENTS: dict[str, str] = {
     "dc-table": "_dc_table.html",
     "events-table": "_events_table.html",
     "timeline-note": "_timeline_note.html",
+    "pipeline-stages": "_pipeline_stages.html",
 }
 #: The events table shows at most this many of the latest events (those with timestamp and detail).
 EVENTS_IN_TABLE = EVENTS_WITH_DETAIL
 
 
+#: A built run page's key: (engine, run id, version marker, pipeline round asked for).
+_PageKey = tuple[int, str, str, int | None]
+
+
 class _RunPageCache:
-    """The last few run pages built, by (engine, run id, version marker): a reload, a second viewer or
-    a poll that finds nothing new reuses them instead of re-reading a long run. Thread-safe."""
+    """The last few run pages built, by (engine, run id, version marker, pipeline round asked for): a reload, a
+    second viewer or a poll that finds nothing new reuses them instead of re-reading a long run. Thread-safe."""
 
     def __init__(self, size: int = 8) -> None:
-        self._items: LRUCache[tuple[int, str, str], tuple[RunPageData, str]] = LRUCache(maxsize=size)
+        self._items: LRUCache[_PageKey, tuple[RunPageData, str]] = LRUCache(maxsize=size)
         self._lock = threading.Lock()
 
-    def get(self, key: tuple[int, str, str]) -> tuple[RunPageData, str] | None:
+    def get(self, key: _PageKey) -> tuple[RunPageData, str] | None:
         with self._lock:
             return self._items.get(key)
 
-    def put(self, key: tuple[int, str, str], value: tuple[RunPageData, str]) -> None:
+    def put(self, key: _PageKey, value: tuple[RunPageData, str]) -> None:
         with self._lock:
             self._items[key] = value
 
@@ -259,22 +286,37 @@ _run_cache = _RunPageCache()
 _aggregate_cache = AggregateCache()
 
 
-def _load_run(request: Request, conn: Connection, run_id: str) -> tuple[RunPageData, str] | None:
-    """The run page's data and its figures' JSON (from the cache when the run has not changed)."""
+def _load_run(request: Request, conn: Connection, run_id: str,
+              pipeline_round: int | None = None) -> tuple[RunPageData, str] | None:
+    """The run page's data and its figures' JSON (from the cache when the run has not changed), a pipeline run's
+    views at ``pipeline_round`` (``None``: the latest)."""
     now = utcnow()
     current = run_version(conn, run_id, now)
     if current is None:
         return None
-    key = (id(request.app.state.engine), run_id, current[0])
+    key = (id(request.app.state.engine), run_id, current[0], pipeline_round)
     cached = _run_cache.get(key)
     if cached is not None:
         return cached
-    data = load_run_page(conn, run_id, now, cache=_aggregate_cache, cache_key=key[0])
+    data = load_run_page(conn, run_id, now, cache=_aggregate_cache, cache_key=key[0], pipeline_round=pipeline_round)
     if data is None:
         return None
     built = (data, figures_payload(run_figures(data)))
-    _run_cache.put((key[0], run_id, data.version), built)
+    _run_cache.put((key[0], run_id, data.version, pipeline_round), built)
     return built
+
+
+#: The ``round`` query parameter of a run page (and its live.json): a pipeline run's round to show.
+RoundParam = Annotated[str | None, Query(alias="round")]
+
+
+def parse_round(text: str | None) -> int | None:
+    """``?round=N`` as a round (a whole number from 0 that a round column holds), or ``None`` (the latest) for
+    anything else: a page never fails on it."""
+    if text is None or not re.fullmatch(r"[0-9]{1,10}", text.strip()):
+        return None
+    value = int(text.strip())
+    return value if value < 2**31 else None
 
 
 def _run_context(data: RunPageData) -> dict[str, Any]:
@@ -284,6 +326,7 @@ def _run_context(data: RunPageData) -> dict[str, Any]:
         "events": events, "events_total": data.events_total, "async_total": data.async_total,
         "has_staleness": data.has_staleness, "timeline_shown": len(data.timeline), "timeline_total": data.timeline_total,
         "alert": figures.COMM_COMP_ALERT, "compression": figures.has_compression(data.run.get("config")),
+        "pipeline": data.pipeline,
     }
 
 
@@ -307,13 +350,14 @@ def gossip_views(request: Request, conn: Connection, run: dict[str, Any]) -> dic
 
 
 @router.get("/runs/{run_id}", response_class=HTMLResponse)
-def run_page(request: Request, run_id: str) -> HTMLResponse:
-    """One run: its charts, its per-datacenter table and its events, and a gossip run's topology and consensus curve;
-    live while it runs."""
+def run_page(request: Request, run_id: str, pipeline_round: RoundParam = None) -> HTMLResponse:
+    """One run: its charts, its per-datacenter table and its events, a gossip run's topology and consensus curve, a
+    pipeline run's per-stage views of the round ``?round=`` picks (the latest by default); live while it runs."""
     gossip = None
+    shown_round = parse_round(pipeline_round)
     try:
         with _connection(request) as conn:
-            loaded = _load_run(request, conn, run_id)
+            loaded = _load_run(request, conn, run_id, shown_round)
             if loaded is not None:
                 gossip = gossip_views(request, conn, loaded[0].run)
     except SQLAlchemyError as e:
@@ -321,8 +365,8 @@ def run_page(request: Request, run_id: str) -> HTMLResponse:
     if loaded is None:
         return _error_page(request, 404, "Run not found", f"There is no run with id {run_id!r}.")
     data, figures_text = loaded
-    live = {"url": request.url_for("run_live", run_id=run_id).path, "version": data.version,
-            "running": data.run["running"], "interval_ms": POLL_INTERVAL_MS}
+    live_url = request.url_for("run_live", run_id=run_id).path + (f"?round={shown_round}" if shown_round is not None else "")
+    live = {"url": live_url, "version": data.version, "running": data.run["running"], "interval_ms": POLL_INTERVAL_MS}
     context = _run_context(data)
     context.update(
         title=f"Run {data.run['name']}",
@@ -334,8 +378,9 @@ def run_page(request: Request, run_id: str) -> HTMLResponse:
 
 
 @router.get("/runs/{run_id}/live.json", name="run_live")
-def run_live(request: Request, run_id: str, version: str | None = None) -> Response:
-    """The run's version marker; with the figures and page fragments when it differs from ``version``."""
+def run_live(request: Request, run_id: str, version: str | None = None, pipeline_round: RoundParam = None) -> Response:
+    """The run's version marker; with the figures and page fragments when it differs from ``version`` (a pipeline
+    run's views at ``?round=``, as on the run page)."""
     try:
         with _connection(request) as conn:
             now = utcnow()
@@ -348,7 +393,7 @@ def run_live(request: Request, run_id: str, version: str | None = None) -> Respo
             if marker == version:
                 return Response(json.dumps({**head, "changed": False}), media_type="application/json",
                                 headers={"Cache-Control": "no-store"})
-            loaded = _load_run(request, conn, run_id)
+            loaded = _load_run(request, conn, run_id, parse_round(pipeline_round))
     except SQLAlchemyError as e:
         return Response(json.dumps({"detail": f"database unavailable: {type(e).__name__}"}), status_code=503,
                         media_type="application/json")
@@ -442,4 +487,5 @@ def datacenters_page(request: Request) -> HTMLResponse:
     return templates.TemplateResponse(request, "datacenters.html", {"title": "Datacenters", "datacenters": rows})
 
 
-__all__ = ["router", "run_figures", "parse_run_ids", "human_bytes", "number", "seconds", "utc", "age"]
+__all__ = ["router", "run_figures", "pipeline_figures", "parse_round", "parse_run_ids", "human_bytes", "number",
+           "percent", "seconds", "utc", "age"]

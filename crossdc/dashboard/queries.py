@@ -30,7 +30,7 @@ from sqlalchemy import ColumnElement, Connection, DateTime, Float, Table, and_, 
 
 from crossdc.dashboard.figures import comm_comp, utilisation
 from crossdc.db.models import ASYNC_UPDATES, DATACENTER_ROUNDS, DATACENTERS, EVENTS, LINK_ROUNDS, ROUNDS, RUNS
-from crossdc.db.queries import as_utc, list_link_rounds, list_timeline_spans, utcnow
+from crossdc.db.queries import as_utc, list_link_rounds, list_pipeline_stages, list_timeline_spans, utcnow
 from crossdc.db.status import STALE_AFTER_MIN_S, STALE_AFTER_SLOWEST_ROUNDS, EffectiveStatus, effective_status, stale_after_s
 from crossdc.db.values import finite_float, finite_or_none
 from crossdc.experiment.builders import datacenter_rtts
@@ -58,7 +58,13 @@ EVENT_FIELDS: tuple[str, ...] = ("id", "at", "round", "kind", "datacenter", "det
 ASYNC_UPDATE_FIELDS: tuple[str, ...] = (
     "seq", "datacenter", "base_version", "applied_version", "staleness", "scale", "status", "bytes_up",
 )
-TIMELINE_SPAN_FIELDS: tuple[str, ...] = ("round", "datacenter", "kind", "start_s", "end_s", "fragment", "exchange")
+TIMELINE_SPAN_FIELDS: tuple[str, ...] = (
+    "round", "datacenter", "kind", "start_s", "end_s", "fragment", "exchange", "microbatch", "step",
+)
+PIPELINE_STAGE_FIELDS: tuple[str, ...] = (
+    "round", "stage", "datacenter", "steps", "microbatches", "compute_s", "wall_s", "bubble_fraction",
+    "bytes_forward", "bytes_backward", "bytes_source", "train_loss",
+)
 LINK_ROUND_FIELDS: tuple[str, ...] = ("round", "src", "dst", "bytes", "in_flight_s", "error")
 DATACENTER_FIELDS: tuple[str, ...] = (
     "name", "region", "gpus", "public_key", "status", "enrolled_at", "last_seen", "link_bandwidth_mbps", "link_rtt_ms",
@@ -232,7 +238,7 @@ def link_totals(conn: Connection, run_id: str) -> dict[str, Any]:
             pair["in_flight"].append(seconds)
     config_row = conn.execute(select(RUNS.c.config).where(RUNS.c.id == run_id)).first()
     config = config_row[0] if config_row is not None and isinstance(config_row[0], dict) else {}
-    configured = _run_datacenters({"config": config})
+    configured = run_datacenters({"config": config})
     named = sorted({name for pair in pairs for name in pair} - set(configured))
     paths = config_link_paths(config)
     items = []
@@ -270,13 +276,18 @@ def has_gossip_rows(conn: Connection, run_id: str) -> bool:
     return conn.execute(links).first() is not None or conn.execute(consensus).first() is not None
 
 
-def timeline_spans(conn: Connection, run_id: str, *, limit: int,
-                   datacenter: str | None = None) -> tuple[list[dict[str, Any]], bool]:
-    """The run's newest ``limit`` timeline spans (only ``datacenter``'s, when given) by datacenter then start, and
-    whether older ones were left out."""
+def pipeline_stages(conn: Connection, run_id: str, *, round: int | None = None) -> list[dict[str, Any]]:  # noqa: A002
+    """A pipeline run's ``pipeline_stages`` rows (only ``round``'s, when given), by round then stage."""
+    return [_clean(r, PIPELINE_STAGE_FIELDS) for r in list_pipeline_stages(conn, run_id, round=round)]
+
+
+def timeline_spans(conn: Connection, run_id: str, *, limit: int, datacenter: str | None = None,
+                   round: int | None = None) -> tuple[list[dict[str, Any]], bool]:  # noqa: A002
+    """The run's newest ``limit`` timeline spans (only ``datacenter``'s, only ``round``'s, when given) by datacenter
+    then start, and whether older ones were left out."""
     if datacenter is not None and not storable(datacenter):
         return [], False
-    rows = list_timeline_spans(conn, run_id, datacenter=datacenter, limit=limit + 1)
+    rows = list_timeline_spans(conn, run_id, datacenter=datacenter, round=round, limit=limit + 1)
     truncated = len(rows) > limit
     if truncated:  # the extra one only says there is more: the oldest goes
         rows.remove(min(rows, key=lambda r: (r["start_s"], r["id"])))
@@ -405,12 +416,12 @@ def run_detail(conn: Connection, run_id: str, *, now: datetime) -> dict[str, Any
         error=row["error"],
         flower_run_ids=[part.strip() for part in (row["flower_run_ids"] or "").split(",") if part.strip()],
         bytes_up_total=int(totals[0]), bytes_down_total=int(totals[1]), bytes_up_raw_total=int(totals[2]),
-        datacenters=_run_datacenters(row),
+        datacenters=run_datacenters(row),
     )
     return detail
 
 
-def _run_datacenters(row: Mapping[str, Any]) -> list[str]:
+def run_datacenters(row: Mapping[str, Any]) -> list[str]:
     """The datacenter names of the run's config (``[[datacenters]] name``), in config order."""
     config = row["config"] if isinstance(row["config"], dict) else {}
     entries = config.get("datacenters")
@@ -616,7 +627,9 @@ __all__ = [
     "link_totals",
     "list_run_summaries",
     "metrics_snapshot",
+    "pipeline_stages",
     "rounds_page",
+    "run_datacenters",
     "run_detail",
     "run_exists",
     "run_is_running",

@@ -19,7 +19,8 @@ Column names are the API's field names. Conventions:
   (a run's events in logging order; PostgreSQL's index on ``run_id`` alone
   does not keep that order); revision 0008 adds ``timeline_spans (run_id,
   datacenter, start_s)`` (one datacenter's spans in time order, and the newest
-  spans of a run from the index alone).
+  spans of a run from the index alone) and revision 0010 ``timeline_spans (run_id, round)`` (one round's spans:
+  a pipeline run's per-stage view, and a resumed run forgetting the rounds after its checkpoint).
 
 Any change here needs a new Alembic revision in ``migrations/versions/``
 (``tests/test_db.py`` checks that the migrated schema matches these models).
@@ -58,6 +59,13 @@ AUDIT_OUTCOMES: tuple[str, ...] = ("ok", "refused", "failed")
 #: What a span of a datacenter's timeline is: its trainer computing or waiting (for the WAN or the coordinator), its
 #: update on the way up to the coordinator, or the coordinator's result on the way down to it.
 TIMELINE_SPAN_KINDS: tuple[str, ...] = ("compute", "wait", "up", "down")
+#: What a span of a pipeline stage's timeline is (revision 0010): the stage computing one micro-batch's forward or
+#: backward pass (its ``microbatch`` and ``step`` say which).
+MICROBATCH_SPAN_KINDS: tuple[str, ...] = ("forward", "backward")
+#: Every kind ``timeline_spans.kind`` accepts: the round loops' (TIMELINE_SPAN_KINDS), then the pipeline's.
+SPAN_KINDS: tuple[str, ...] = TIMELINE_SPAN_KINDS + MICROBATCH_SPAN_KINDS
+#: Who counted a pipeline stage's boundary bytes: the WAN emulator's link ledger, or the stage itself.
+PIPELINE_BYTES_SOURCES: tuple[str, ...] = ("delay-line", "stage")
 
 # Deterministic constraint names: Alembic (and SQLite batch mode) need them.
 NAMING_CONVENTION = {
@@ -223,25 +231,64 @@ class TimelineSpan(Base):
     or the coordinator) or what was in flight (``up``: its update on the way to the coordinator; ``down``: the
     coordinator's result on the way to it), from ``start_s`` to ``end_s``, seconds since the run's start (on the
     datacenter's clock for compute and wait, from the sender's clock to the receiver's for up and down). ``fragment`` and ``exchange``
-    place a span of a streaming run; other loops leave them NULL. Its non-key columns are the fields of
+    place a span of a streaming run; other loops leave them NULL. A pipeline run's stage logs ``forward`` and
+    ``backward`` spans (revision 0010): its compute of one micro-batch (``microbatch``, from 0) in optimizer step
+    ``step`` (from 1, counted over the run), on the stage's datacenter's clock. Its non-key columns are the fields of
     crossdc.db.records.TimelineSpanRecord, checked by their ``info``."""
 
     __tablename__ = "timeline_spans"
     __table_args__ = (
-        CheckConstraint(_in("kind", TIMELINE_SPAN_KINDS), name="kind"),
+        CheckConstraint(_in("kind", SPAN_KINDS), name="kind"),
         CheckConstraint("end_s >= start_s", name="end_after_start"),
         Index("ix_timeline_spans_run_id_datacenter_start_s", "run_id", "datacenter", "start_s"),
+        Index("ix_timeline_spans_run_id_round", "run_id", "round"),
     )
 
     id: Mapped[int] = mapped_column(_BigId, primary_key=True, autoincrement=True)
     run_id: Mapped[str] = mapped_column(String(64), _run_fk(), index=True)
     round: Mapped[int] = mapped_column(Integer, info={"minimum": 0})
     datacenter: Mapped[str] = mapped_column(String(128))
-    kind: Mapped[str] = mapped_column(String(16), info={"choices": TIMELINE_SPAN_KINDS})
+    kind: Mapped[str] = mapped_column(String(16), info={"choices": SPAN_KINDS})
     start_s: Mapped[float] = mapped_column(Float)
     end_s: Mapped[float] = mapped_column(Float)
     fragment: Mapped[int | None] = mapped_column(Integer, info={"minimum": 0})
     exchange: Mapped[int | None] = mapped_column(Integer, info={"minimum": 1})
+    # A pipeline run's forward and backward spans: which micro-batch, in which optimizer step (revision 0010).
+    microbatch: Mapped[int | None] = mapped_column(Integer, info={"minimum": 0})
+    step: Mapped[int | None] = mapped_column(Integer, info={"minimum": 1})
+
+
+class PipelineStage(Base):
+    """One stage's part of one round of a pipeline run (revision 0010): stage ``stage`` (0 first, in config order)
+    on ``datacenter`` ran ``steps`` optimizer steps of ``microbatches`` micro-batches each; ``compute_s`` is its
+    forward and backward compute over the round, ``wall_s`` the round's steps end to end at the stage, and
+    ``bubble_fraction`` the share of ``wall_s`` it was not computing. ``bytes_forward``: the activation bytes that
+    crossed the boundary after the stage, toward stage + 1 (0 for the last stage); ``bytes_backward``: the gradient
+    bytes that crossed the boundary before it, back to stage - 1 (0 for the first); ``bytes_source`` says who
+    counted them (``delay-line``: the WAN emulator's link ledger; ``stage``: the stage itself). ``train_loss``: the
+    last stage's mean micro-batch loss (NULL on the others). Its non-key columns are the fields of
+    crossdc.db.records.PipelineStageRecord, checked by their ``info`` (``minimum``, ``maximum``, ``choices``)."""
+
+    __tablename__ = "pipeline_stages"
+    __table_args__ = (
+        UniqueConstraint("run_id", "round", "stage"),
+        CheckConstraint(_in("bytes_source", PIPELINE_BYTES_SOURCES), name="bytes_source"),
+    )
+
+    id: Mapped[int] = mapped_column(_BigId, primary_key=True, autoincrement=True)
+    run_id: Mapped[str] = mapped_column(String(64), _run_fk(), index=True)
+    round: Mapped[int] = mapped_column(Integer, info={"minimum": 1})
+    stage: Mapped[int] = mapped_column(Integer, info={"minimum": 0})
+    datacenter: Mapped[str] = mapped_column(String(128))
+    steps: Mapped[int] = mapped_column(Integer, info={"minimum": 0})
+    microbatches: Mapped[int] = mapped_column(Integer, info={"minimum": 0})
+    compute_s: Mapped[float] = mapped_column(Float, info={"minimum": 0, "finite": True})
+    wall_s: Mapped[float] = mapped_column(Float, info={"minimum": 0, "finite": True})
+    bubble_fraction: Mapped[float] = mapped_column(Float, info={"minimum": 0, "maximum": 1, "finite": True})
+    bytes_forward: Mapped[int] = mapped_column(BigInteger, info={"minimum": 0})
+    bytes_backward: Mapped[int] = mapped_column(BigInteger, info={"minimum": 0})
+    bytes_source: Mapped[str] = mapped_column(String(16), info={"choices": PIPELINE_BYTES_SOURCES})
+    train_loss: Mapped[float | None] = mapped_column(Float)
 
 
 class LinkRound(Base):
@@ -353,7 +400,10 @@ __all__ = [
     "BASELINES",
     "DATACENTER_ROUND_STATUSES",
     "DATACENTER_STATUSES",
+    "MICROBATCH_SPAN_KINDS",
+    "PIPELINE_BYTES_SOURCES",
     "RUN_STATUSES",
+    "SPAN_KINDS",
     "TIMELINE_SPAN_KINDS",
     "TOKEN_ROLES",
     "AsyncUpdate",
@@ -363,6 +413,7 @@ __all__ = [
     "DatacenterRound",
     "Event",
     "FragmentExchange",
+    "PipelineStage",
     "Round",
     "Run",
     "TimelineSpan",
@@ -381,5 +432,6 @@ ASYNC_UPDATES: Table = AsyncUpdate.__table__  # type: ignore[assignment]
 FRAGMENT_EXCHANGES: Table = FragmentExchange.__table__  # type: ignore[assignment]
 TIMELINE_SPANS: Table = TimelineSpan.__table__  # type: ignore[assignment]
 LINK_ROUNDS: Table = LinkRound.__table__  # type: ignore[assignment]
+PIPELINE_STAGES: Table = PipelineStage.__table__  # type: ignore[assignment]
 API_TOKENS: Table = ApiToken.__table__  # type: ignore[assignment]
 AUDIT_LOG: Table = AuditEntry.__table__  # type: ignore[assignment]

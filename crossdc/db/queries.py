@@ -22,6 +22,7 @@ from crossdc.db.models import DATACENTERS as _DATACENTERS
 from crossdc.db.models import EVENTS as _EVENTS
 from crossdc.db.models import FRAGMENT_EXCHANGES as _FRAGMENTS
 from crossdc.db.models import LINK_ROUNDS as _LINKS
+from crossdc.db.models import PIPELINE_STAGES as _PIPELINE
 from crossdc.db.models import ROUNDS as _ROUNDS
 from crossdc.db.models import RUNS as _RUNS
 from crossdc.db.models import TIMELINE_SPANS as _SPANS
@@ -102,19 +103,30 @@ def list_link_rounds(bind: Bind, run_id: str) -> list[dict[str, Any]]:
     return _rows(bind, _ordered(_LINKS, run_id, (_LINKS.c.round, _LINKS.c.src, _LINKS.c.dst)))
 
 
-def list_timeline_spans(bind: Bind, run_id: str, *, datacenter: str | None = None,
+def list_pipeline_stages(bind: Bind, run_id: str, *, round: int | None = None) -> list[dict[str, Any]]:  # noqa: A002
+    """The run's ``pipeline_stages`` rows (a pipeline run; only ``round``'s when given), by round, then stage."""
+    stmt = _ordered(_PIPELINE, run_id, (_PIPELINE.c.round, _PIPELINE.c.stage))
+    if round is not None:
+        stmt = stmt.where(_PIPELINE.c.round == round)
+    return _rows(bind, stmt)
+
+
+def list_timeline_spans(bind: Bind, run_id: str, *, datacenter: str | None = None, round: int | None = None,  # noqa: A002
                         limit: int | None = None) -> list[dict[str, Any]]:
-    """The run's ``timeline_spans`` rows (only ``datacenter``'s when given), by datacenter, then start, then id.
+    """The run's ``timeline_spans`` rows (only ``datacenter``'s, only ``round``'s, when given), by datacenter, then
+    start, then id.
 
     With ``limit``, only the newest ``limit`` spans (the latest ``start_s``, the last logged among equal ones): a
     long run has many, and a timeline shows its end. They are picked from the index on (run_id, datacenter,
-    start_s) before any row is read.
+    start_s), or on (run_id, round) for one round's, before any row is read.
     """
     if limit is not None and limit < 0:
         raise ValueError(f"limit must be >= 0, got {limit}")
     chosen = select(_SPANS.c.id).where(_SPANS.c.run_id == run_id)
     if datacenter is not None:
         chosen = chosen.where(_SPANS.c.datacenter == datacenter)
+    if round is not None:
+        chosen = chosen.where(_SPANS.c.round == round)
     if limit is not None:
         chosen = chosen.order_by(_SPANS.c.start_s.desc(), _SPANS.c.id.desc()).limit(limit)
     ids = chosen.subquery()
@@ -146,6 +158,7 @@ __all__ = [
     "list_datacenter_rounds",
     "list_datacenters",
     "list_events",
+    "list_pipeline_stages",
     "list_rounds",
     "list_runs",
     "list_timeline_spans",

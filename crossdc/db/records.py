@@ -2,27 +2,33 @@
 
 A :class:`DatacenterRoundRecord` is one datacenter's part of one round (a ``datacenter_rounds`` row without its
 key: run, round, datacenter); a :class:`TimelineSpanRecord` is one span of a datacenter's timeline (a
-``timeline_spans`` row without its run: round, datacenter, kind, start_s, end_s, and a streaming run's fragment
-and exchange). Their fields are the models' columns — written once, in :mod:`crossdc.db.models` — and
-``validated()`` checks every value against its column: the column's type (integer, number, text), whether it may
-be NULL, its ``info`` bounds (``minimum``) and allowed values (``choices``). A bad value raises TypeError or
-ValueError naming the column, before anything is written.
+``timeline_spans`` row without its run: round, datacenter, kind, start_s, end_s, a streaming run's fragment and
+exchange, a pipeline run's microbatch and step); a :class:`PipelineStageRecord` is one stage's part of one round of a
+pipeline run (a ``pipeline_stages`` row without its key: run, round). Their fields are the models' columns — written
+once, in :mod:`crossdc.db.models` — and ``validated()`` checks every value against its column: the column's type
+(integer, number, text), whether it may be NULL, its ``info`` bounds (``minimum``, ``maximum``), whether it must be
+a finite number (``finite``) and its allowed values (``choices``). A bad value raises TypeError or ValueError naming
+the column, before anything is written.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import math
 from collections.abc import Iterable
 from typing import Any
 
 from sqlalchemy import Column, Float, Integer, String, Table, Text
 
-from crossdc.db.models import DATACENTER_ROUNDS, TIMELINE_SPANS
+from crossdc.db.models import DATACENTER_ROUNDS, PIPELINE_STAGES, TIMELINE_SPANS
 
 #: the columns of ``datacenter_rounds`` that place a row rather than describe it
 DATACENTER_ROUND_KEY = ("id", "run_id", "round", "datacenter")
 #: the columns of ``timeline_spans`` that the run log fills in (a batch of spans belongs to one run)
 TIMELINE_SPAN_KEY = ("id", "run_id")
+#: the columns of ``pipeline_stages`` that place a row rather than describe it (the stage is a field: a round's rows
+#: differ by it)
+PIPELINE_STAGE_KEY = ("id", "run_id", "round")
 
 
 def _python_type(column: Column) -> type:
@@ -73,9 +79,14 @@ def check_value(column: Column, value: Any) -> Any:
         raise TypeError(f"{name} must be a string, got {type(value).__name__}")
     elif not column.nullable and not value:
         raise ValueError(f"{name} must not be empty")
+    if column.info.get("finite") and not math.isfinite(value):
+        raise ValueError(f"{name} must be a finite number, got {value}")
     minimum = column.info.get("minimum")
     if minimum is not None and value < minimum:
         raise ValueError(f"{name} must be >= {minimum}, got {value}")
+    maximum = column.info.get("maximum")
+    if maximum is not None and value > maximum:
+        raise ValueError(f"{name} must be <= {maximum}, got {value}")
     choices = column.info.get("choices")
     if choices is not None and value not in choices:
         raise ValueError(f"{name} must be one of {', '.join(choices)}; got {value!r}")
@@ -109,9 +120,17 @@ DatacenterRoundRecord = _record_class(
     "DatacenterRoundRecord", DATACENTER_ROUNDS, DATACENTER_ROUND_KEY,
     "One datacenter's part of one round: a datacenter_rounds row without its key (fields = the model's columns).")
 
-#: one span of a datacenter's timeline (round, datacenter, kind, start_s, end_s required; fragment, exchange optional)
+#: one span of a datacenter's timeline (round, datacenter, kind, start_s, end_s required; fragment, exchange,
+#: microbatch, step optional)
 TimelineSpanRecord = _record_class(
     "TimelineSpanRecord", TIMELINE_SPANS, TIMELINE_SPAN_KEY,
     "One span of a datacenter's timeline: a timeline_spans row without its run (fields = the model's columns).")
 
-__all__ = ["DATACENTER_ROUND_KEY", "TIMELINE_SPAN_KEY", "DatacenterRoundRecord", "TimelineSpanRecord", "check_value"]
+#: one stage's part of one round of a pipeline run (every field required but train_loss: the last stage's only)
+PipelineStageRecord = _record_class(
+    "PipelineStageRecord", PIPELINE_STAGES, PIPELINE_STAGE_KEY,
+    "One stage's part of one round of a pipeline run: a pipeline_stages row without its key (fields = the model's "
+    "columns).")
+
+__all__ = ["DATACENTER_ROUND_KEY", "PIPELINE_STAGE_KEY", "TIMELINE_SPAN_KEY", "DatacenterRoundRecord",
+           "PipelineStageRecord", "TimelineSpanRecord", "check_value"]

@@ -22,8 +22,8 @@ database does not kill a run.
   back in time.
 * Writes are idempotent where it matters: a batch retried after an error that
   hid a successful commit does not duplicate ``runs``, ``rounds``,
-  ``datacenter_rounds``, ``async_updates``, ``checkpoints`` or ``datacenters``
-  rows (upserts on their unique keys). ``events`` and ``timeline_spans`` rows
+  ``datacenter_rounds``, ``async_updates``, ``checkpoints``, ``pipeline_stages``
+  or ``datacenters`` rows (upserts on their unique keys). ``events`` and ``timeline_spans`` rows
   have no natural key; in that rare case (commit succeeded, acknowledgement
   lost) an event or a batch of spans can appear twice.
 * A record the database rejects for a reason that retrying cannot fix (an
@@ -53,6 +53,7 @@ from crossdc.db.models import (
     ASYNC_UPDATE_STATUSES,
     BASELINES,
     DATACENTER_ROUND_STATUSES,
+    MICROBATCH_SPAN_KINDS,
     RUN_STATUSES,
 )
 from crossdc.db.models import ASYNC_UPDATES as _ASYNC
@@ -62,11 +63,12 @@ from crossdc.db.models import DATACENTERS as _DATACENTERS
 from crossdc.db.models import EVENTS as _EVENTS
 from crossdc.db.models import FRAGMENT_EXCHANGES as _FRAGMENTS
 from crossdc.db.models import LINK_ROUNDS as _LINKS
+from crossdc.db.models import PIPELINE_STAGES as _PIPELINE
 from crossdc.db.models import ROUNDS as _ROUNDS
 from crossdc.db.models import RUNS as _RUNS
 from crossdc.db.models import TIMELINE_SPANS as _SPANS
 from crossdc.db.queries import utcnow
-from crossdc.db.records import DatacenterRoundRecord, TimelineSpanRecord
+from crossdc.db.records import DatacenterRoundRecord, PipelineStageRecord, TimelineSpanRecord
 from crossdc.db.values import json_safe, non_finite_text
 
 log = logging.getLogger(__name__)
@@ -136,6 +138,9 @@ def _timeline_span(index: int, span: Any) -> dict[str, Any]:
         raise ValueError(f"spans[{index}]: start_s and end_s must be finite, got {row['start_s']} and {row['end_s']}")
     if row["end_s"] < row["start_s"]:
         raise ValueError(f"spans[{index}]: end_s must be >= start_s, got start_s={row['start_s']}, end_s={row['end_s']}")
+    if row["kind"] in MICROBATCH_SPAN_KINDS and (row["microbatch"] is None or row["step"] is None):
+        raise ValueError(f"spans[{index}]: a {row['kind']} span needs its microbatch and step, got "
+                         f"microbatch={row['microbatch']}, step={row['step']}")
     return row
 
 
@@ -252,12 +257,16 @@ def _op_link_round(conn: Connection, v: dict[str, Any]) -> None:
     _upsert(conn, _LINKS, v, ("run_id", "round", "src", "dst"))
 
 
+def _op_pipeline_stage(conn: Connection, v: dict[str, Any]) -> None:
+    _upsert(conn, _PIPELINE, v, ("run_id", "round", "stage"))
+
+
 def _op_timeline_spans(conn: Connection, v: dict[str, Any]) -> None:
     conn.execute(insert(_SPANS), [{"run_id": v["run_id"], **span} for span in v["spans"]])
 
 
 def _op_forget_rounds_after(conn: Connection, v: dict[str, Any]) -> None:
-    for table in (_ROUNDS, _DC_ROUNDS, _CHECKPOINTS, _FRAGMENTS, _SPANS, _LINKS):
+    for table in (_ROUNDS, _DC_ROUNDS, _CHECKPOINTS, _FRAGMENTS, _SPANS, _LINKS, _PIPELINE):
         conn.execute(delete(table).where(table.c.run_id == v["run_id"], table.c.round > v["round"]))
 
 
@@ -423,9 +432,9 @@ class RunLog:
         self._put("resume_run", _op_resume_run, {"run_id": _text("run_id", run_id), "at": utcnow()})
 
     def forget_rounds_after(self, *, run_id: str, round: int) -> None:  # noqa: A002
-        """Delete the run's ``rounds``, ``datacenter_rounds``, ``checkpoints``, ``fragment_exchanges`` and
-        ``timeline_spans`` rows after ``round``: a run resumed from the checkpoint of ``round`` trains them again, and
-        each round is in the log once."""
+        """Delete the run's ``rounds``, ``datacenter_rounds``, ``checkpoints``, ``fragment_exchanges``,
+        ``timeline_spans``, ``link_rounds`` and ``pipeline_stages`` rows after ``round``: a run resumed from the
+        checkpoint of ``round`` trains them again, and each round is in the log once."""
         self._put("forget_rounds_after", _op_forget_rounds_after,
                   {"run_id": _text("run_id", run_id), "round": _int("round", round, nullable=False, minimum=0)})
 
@@ -569,11 +578,30 @@ class RunLog:
             },
         )
 
+    def log_pipeline_stage(self, *, run_id: str, round: int, record: PipelineStageRecord) -> None:  # noqa: A002
+        """Record (or overwrite) one stage's part of one round of a pipeline run, keyed by (run_id, round,
+        ``record.stage``): a round logged again (after a resume) replaces its row. Every value is checked against its
+        column before anything is queued (a negative byte count, a bubble fraction outside [0, 1], a non-finite
+        duration or an unknown ``bytes_source`` is a ValueError naming the field; a value of the wrong type a
+        TypeError)."""
+        if not isinstance(record, PipelineStageRecord):
+            raise TypeError(f"record must be a PipelineStageRecord, got {type(record).__name__}")
+        self._put(
+            "pipeline_stage",
+            _op_pipeline_stage,
+            {
+                "run_id": _text("run_id", run_id),
+                "round": _int("round", round, nullable=False, minimum=1),
+                **record.validated(),
+            },
+        )
+
     def log_timeline_spans(self, *, run_id: str, spans: Sequence[TimelineSpanRecord]) -> None:
         """Record a batch of spans of the run's per-datacenter timelines (one record, one transaction; none: nothing).
 
-        Each span is checked against its column (a ``kind`` outside ``TIMELINE_SPAN_KINDS`` is a ValueError), its
-        times must be finite with ``end_s >= start_s``; a bad span raises naming its place in ``spans``, and then
+        Each span is checked against its column (a ``kind`` outside ``SPAN_KINDS`` is a ValueError), its
+        times must be finite with ``end_s >= start_s``, and a pipeline's ``forward`` or ``backward`` span needs its
+        ``microbatch`` and ``step``; a bad span raises naming its place in ``spans``, and then
         nothing of the batch is queued. Spans have no natural key: like an event, a batch retried after an error
         that hid its commit can appear twice.
         """

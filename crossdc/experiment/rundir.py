@@ -20,6 +20,10 @@ SETTINGS_LINK_EMULATOR = "link_emulator"
 #: the run's settings key giving, for a gossip run, each datacenter's [host, port] of its gossip rendezvous store
 #: (its own address: in a namespace, the datacenter's emulated address)
 SETTINGS_GOSSIP_ADDRESSES = "gossip_addresses"
+#: the run's settings key giving, for a pipeline run, where its stages' group meets (``master``: [host, port] of the
+#: first stage's rendezvous) and each datacenter's network interface toward the others (``interfaces``: name or
+#: null for gloo's default)
+SETTINGS_PIPELINE_GROUP = "pipeline_group"
 
 # sun_path holds 108 bytes including the terminating NUL
 _MAX_UNIX_PATH = 100

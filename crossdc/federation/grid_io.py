@@ -52,8 +52,11 @@ def pull_replies(grid: Grid, pending: set[str]) -> dict[str, Reply]:
     return replies
 
 
-def collect_replies(grid: Grid, message_ids: list[str], timeout_s: float) -> dict[str, Reply]:
-    """Pull replies as they arrive until all are in or the timeout passes; returns what came, by message id."""
+def collect_replies(grid: Grid, message_ids: list[str], timeout_s: float,
+                    after_error_s: float | None = None) -> dict[str, Reply]:
+    """Pull replies as they arrive until all are in or the timeout passes; returns what came, by message id. With
+    `after_error_s`, a reply that carries an error shortens the wait to that many seconds more (a loop whose round
+    fails with any one failure collects the others' reasons, and does not wait out the timeout for a dead node)."""
     pending = set(message_ids)
     replies: dict[str, Reply] = {}
     deadline = time.monotonic() + timeout_s
@@ -61,6 +64,8 @@ def collect_replies(grid: Grid, message_ids: list[str], timeout_s: float) -> dic
     while pending and time.monotonic() < deadline:
         arrived = pull_replies(grid, pending)
         replies.update(arrived)
+        if after_error_s is not None and any(reply.message.has_error() for reply in arrived.values()):
+            deadline = min(deadline, time.monotonic() + after_error_s)
         # poll fast while replies come in, back off (to MAX_POLL_INTERVAL_S) while nothing does
         interval = POLL_INTERVAL_S if arrived else min(MAX_POLL_INTERVAL_S, interval * 1.5)
         if pending:

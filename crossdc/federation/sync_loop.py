@@ -64,9 +64,10 @@ def run_federation(grid: Grid, run_dir: RunDir) -> dict[str, Any]:
             from crossdc.federation.gossip_loop import run_gossip
 
             summary = run_gossip(grid, run_dir, run_id, config, runlog)
-        elif loop == "pipeline":
-            raise FederationError(f"strategy '{config.strategy.name}' (a model split across datacenters) is not "
-                                  "implemented yet")
+        elif loop == "pipeline":  # a model split across the datacenters: the stages pass activations directly
+            from crossdc.federation.pipeline_loop import run_pipeline
+
+            summary = run_pipeline(grid, run_dir, run_id, config, runlog)
         elif loop == "async":  # FedAsync, FedBuff: no rounds
             from crossdc.federation.async_loop import run_async
 

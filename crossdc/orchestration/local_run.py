@@ -61,7 +61,7 @@ from crossdc.experiment.processes import (
     venv_bin,
     wait_for_port,
 )
-from crossdc.experiment.rundir import SETTINGS_GOSSIP_ADDRESSES, SETTINGS_LINK_EMULATOR, RunDir
+from crossdc.experiment.rundir import SETTINGS_GOSSIP_ADDRESSES, SETTINGS_LINK_EMULATOR, SETTINGS_PIPELINE_GROUP, RunDir
 from crossdc.federation.server_checkpoint import SETTINGS_ATTEMPT, SETTINGS_RESUME, SETTINGS_URL
 from crossdc.strategies.registry import strategy_class
 from crossdc.wan.link_relay import LinkRelay
@@ -73,6 +73,8 @@ HOST = "127.0.0.1"
 TRAINER_START_TIMEOUT_S = 300.0
 #: the port of every datacenter's gossip rendezvous store in its namespace (each namespace has its own address)
 GOSSIP_PORT = 29700
+#: the port of a pipeline run's rendezvous, in the first stage's namespace
+PIPELINE_PORT = 29800
 #: how often Flower's own run status is checked, and how long SQL may lag behind Flower's "finished"
 FLOWER_CHECK_S = 10.0
 FLOWER_END_GRACE_S = 5.0
@@ -213,7 +215,8 @@ class LocalRun:
 
     def start_network(self) -> None:
         """Put every datacenter in its own namespace behind its emulated links (the delay line measures them); for a
-        gossip run, tell every datacenter where each one's gossip rendezvous is (its emulated address)."""
+        gossip run, tell every datacenter where each one's gossip rendezvous is (its emulated address); for a pipeline
+        run, where the stages' group meets (the first stage's address) and which interface reaches the others."""
         if self.emulator == EMULATOR_NAMESPACES:
             star = [(dc.name, dc.link) for dc in self.config.datacenters]
             mesh = [(*link.between, link.link) for link in self.config.links]
@@ -224,6 +227,13 @@ class LocalRun:
             addresses = {dc: [network.address(dc), GOSSIP_PORT] if network is not None else [HOST, free_port()]
                          for dc in self.config.datacenter_names}
             self.run_dir.update_settings({SETTINGS_GOSSIP_ADDRESSES: addresses})
+        if strategy_class(self.config.strategy.name).loop == "pipeline":
+            first = self.config.datacenter_names[0]
+            network = self.network
+            group = ({"master": [network.address(first), PIPELINE_PORT],
+                      "interfaces": {dc: network.device(dc) for dc in self.config.datacenter_names}}
+                     if network is not None else {"master": [HOST, free_port()], "interfaces": {}})
+            self.run_dir.update_settings({SETTINGS_PIPELINE_GROUP: group})
 
     def _datacenter_process(self, name: str) -> dict[str, Any]:
         """How a datacenter's process starts: its environment, and (with the namespace emulator) its namespace, whose
@@ -483,14 +493,15 @@ class LocalRun:
     # --------------------------------------------------------------- driver
     def execute(self) -> LocalRunResult:
         """Run the experiment to its end; always stop every process; never leave the run 'running'."""
-        if strategy_class(self.config.strategy.name).loop == "pipeline":
-            raise RunFailed(f"strategy '{self.config.strategy.name}' (a model split across datacenters) is not "
-                            "implemented yet: its stages' runtime comes next (see docs/strategies.md)")
-        gossip = self.gossip
-        if gossip and (self.options.superlink is not None or self.options.engine != "deployment"):
-            raise RunFailed(f"strategy '{self.config.strategy.name}' (gossip) runs on a local deployment only so far "
+        loop = strategy_class(self.config.strategy.name).loop
+        if loop in ("gossip", "pipeline") and (self.options.superlink is not None or self.options.engine != "deployment"):
+            raise RunFailed(f"strategy '{self.config.strategy.name}' ({loop}) runs on a local deployment only so far "
                             "(--engine deployment, no --superlink): on a standing federation or in Flower's simulation "
                             "it is not implemented yet")
+        crowded = [dc.name for dc in self.config.datacenters if dc.workers != 1]
+        if loop == "pipeline" and crowded:
+            raise RunFailed(f"a pipeline stage runs on one worker: {', '.join(crowded)} have more (data parallel inside "
+                            "a stage is not built yet)")
         if self.options.superlink is not None:
             return self._execute_on_standing_federation()
         prepared = False

@@ -5,14 +5,17 @@ Client contract (what every datacenter does): the ``[[datacenters]]`` in config 
 blocks :func:`stage_blocks`\\ (blocks, stages, layers)[i] of the model (crossdc.workloads.stages.split_model) and
 their optimizer state, and nothing else of the model. Each optimizer step cuts the batch into ``microbatches``
 equal micro-batches; stage i runs each micro-batch's forward on what stage i − 1 sent and sends its output to
-stage i + 1, and each backward on the gradient stage i + 1 sent back, in the order ``schedule`` gives (``gpipe``:
-every forward, then every backward; ``1f1b``: after a warm-up of S − i − 1 forwards, one forward and one backward
-in turn); then every stage takes its optimizer step on the summed micro-batch gradients. A round is τ optimizer
-steps. With ``activation_codec`` the activations and their gradients cross each boundary encoded.
+stage i + 1, and each backward on the gradient stage i + 1 sent back, in the order ``schedule`` gives (:func:`schedule_order`;
+``gpipe``: every forward, then every backward; ``1f1b``: after a warm-up of S − i forwards, one backward and one
+forward in turn); then every stage takes its optimizer step on the mean of the micro-batches' gradients (the whole
+batch's, as the unsplit model). A round is τ optimizer steps. With ``activation_codec`` the activations and their
+gradients cross each boundary encoded (crossdc.compression.activations). The first stage reads the workload's whole
+training set (datacenter partitions do not apply); the last stage draws the same batches from the same seed for
+their targets, so targets never cross the WAN. A stage runs on one worker (``workers`` = 1).
 
-The pure parts here: the cut of the blocks (:func:`stage_blocks`), the idle share the schedule leaves
-(:func:`bubble_fraction`), and the checks a run's settings must pass. The datacenters' side and the loop that drives
-it on Flower are not built yet: ``crossdc run`` refuses the strategy ("not implemented yet").
+The pure parts here: the cut of the blocks (:func:`stage_blocks`), the schedule's order and the idle share it leaves
+(:func:`schedule_order`, :func:`bubble_fraction`), and the checks a run's settings must pass. The stages' runtime is
+crossdc.clients.pipeline_stage; the loop that drives it on Flower, crossdc.federation.pipeline_loop.
 """
 
 from __future__ import annotations
@@ -46,6 +49,24 @@ def stage_blocks(blocks: int, stages: int, layers: Sequence[int] | None = None) 
     return [base + (1 if stage < extra else 0) for stage in range(stages)]
 
 
+def schedule_order(schedule: str, stage: int, stages: int, microbatches: int) -> list[tuple[str, int]]:
+    """The order in which stage `stage` of `stages` runs its micro-batches' forwards ("F", m) and backwards ("B", m)
+    in one optimizer step: ``gpipe`` every forward, then every backward; ``1f1b`` min(M, S − stage) forwards, then
+    one backward and one forward in turn while forwards remain, then the remaining backwards (torch's Schedule1F1B)."""
+    if schedule not in SCHEDULES:
+        raise StrategyError(f"unknown schedule {schedule!r}; known: {', '.join(SCHEDULES)}")
+    if not 0 <= stage < stages or microbatches < 1:
+        raise ValueError(f"stage {stage} of {stages} with {microbatches} micro-batches")
+    forwards = [("F", m) for m in range(microbatches)]
+    if schedule == "gpipe":
+        return forwards + [("B", m) for m in range(microbatches)]
+    warmup = min(microbatches, stages - stage)
+    order = forwards[:warmup]
+    for m in range(microbatches - warmup):
+        order += [("B", m), ("F", warmup + m)]
+    return order + [("B", m) for m in range(microbatches - warmup, microbatches)]
+
+
 def bubble_fraction(stages: int, microbatches: int) -> float:
     """The share of a step a stage idles in the schedule's fill and drain, with equal stages and free transfers:
     (S − 1) / (M + S − 1), the same for GPipe and 1F1B (1F1B holds fewer activations, not fewer bubbles)."""
@@ -66,6 +87,9 @@ class Pipeline(Strategy):
                                       choices=ACTIVATION_CODECS),
         "layers": Parameter(str, "", "blocks per stage, comma-separated, in the datacenters' order (empty: as even "
                             "as possible)"),
+        "codec_rank": Parameter(int, 0, "the subspace codec's rank (0: the boundary's features // 8)", low=0),
+        "stage_timeout_s": Parameter(float, 30.0, "how long a stage waits for another before the step fails (a dead "
+                                     "stage fails the run in this time, not in gloo's 30 minutes)", low=1.0),
     }
 
     def check_run(self, run: RunInfo) -> None:
@@ -74,6 +98,10 @@ class Pipeline(Strategy):
         if run.batch_size % microbatches:
             raise StrategyError(f"strategy '{self.name}': microbatches = {microbatches} does not divide the batch size "
                                 f"{run.batch_size}")
+        stages = len(run.datacenters)
+        if self.params["schedule"] == "1f1b" and microbatches < stages:
+            raise StrategyError(f"strategy '{self.name}': schedule '1f1b' needs at least as many micro-batches as "
+                                f"stages ({microbatches} < {stages}); use more micro-batches or 'gpipe'")
         self.layers()  # a malformed list fails here; whether it fits the model is checked when the model is built
 
     def layers(self) -> list[int] | None:

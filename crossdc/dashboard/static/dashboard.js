@@ -7,6 +7,9 @@
 // (headline, tables) in place, without a reload (unless the answer brings a chart the page
 // does not have yet: then it reloads once). It stops once the run stops running.
 //
+// A pipeline run's page shows one round at a time: picking another in <select id="pipeline-round"> (part of a
+// fragment, so it may be replaced) loads the page again at ?round=N, whose live url keeps that round.
+//
 // A gossip run's page also carries <script id="gossip-data"> ({link_totals_url, rounds_url,
 // datacenter_rounds_url, page_size, max_points}): this script reads the JSON API there and draws
 // the gossip views itself, with the same Plotly (see "Gossip views" below).
@@ -75,7 +78,7 @@
   }
 
   function poll(live) {
-    var url = live.url + "?version=" + encodeURIComponent(state.version || "");
+    var url = live.url + (live.url.indexOf("?") < 0 ? "?" : "&") + "version=" + encodeURIComponent(state.version || "");
     fetch(url, { cache: "no-store" })
       .then(function (response) {
         if (!response.ok) throw new Error("HTTP " + response.status);
@@ -456,7 +459,16 @@
     refreshGossip();
   }
 
+  // The pipeline's round picker: the page again, at the picked round.
+  function pickRound(event) {
+    if (!event.target || event.target.id !== "pipeline-round") return;
+    var url = new URL(window.location.href);
+    url.searchParams.set("round", event.target.value);
+    window.location.assign(url.toString());
+  }
+
   function start() {
+    document.addEventListener("change", pickRound);
     var figures = readJson("figures-data");
     if (figures) draw(figures, false);
     var gossipConfig = readJson("gossip-data");
