@@ -1,6 +1,7 @@
 """The pipeline planner (`crossdc plan --pipeline`, crossdc/wan/pipeline_plan.py): the simulated schedule against the
-textbook bubble and hand-computed WAN cases, the comparison with data parallel and DiLoCo, its verdict, its input
-checks, and the command. Pure and fast: no torch, no network."""
+textbook bubble and hand-computed WAN cases (gloo's handshake, the default transport, and the ideal streaming one),
+the comparison with data parallel and DiLoCo, its verdict, its input checks, and the command. Pure and fast: no
+torch, no network. (How close the gloo model comes to real runs is benchmarks/pipeline_bench.py's to measure.)"""
 
 from __future__ import annotations
 
@@ -23,6 +24,8 @@ from crossdc.wan.cost_model import (
     uniform_datacenters,
 )
 from crossdc.wan.pipeline_plan import (
+    DEFAULT_TRANSPORT,
+    TRANSPORTS,
     PipelinePlan,
     compare,
     pipeline_step,
@@ -46,11 +49,11 @@ def equal_split(stages: int, microbatches: int, schedule: str = "gpipe", link: L
 # ----------------------------------------------------------------------------- the schedule
 
 
-def simulated_order(schedule: str, stage: int, stages: int, microbatches: int,
-                    latency_s: float = 0.0) -> list[tuple[str, int]]:
+def simulated_order(schedule: str, stage: int, stages: int, microbatches: int, latency_s: float = 0.0,
+                    transport: str = DEFAULT_TRANSPORT) -> list[tuple[str, int]]:
     """The order the simulation ran stage `stage`'s ops in, as the runtime names them ("F"/"B", m)."""
     ops = simulate_schedule(schedule, [1.0] * stages, [2.0] * stages, [0.0] * (stages - 1), [latency_s] * (stages - 1),
-                            microbatches)
+                            microbatches, transport)
     mine = sorted((op for op in ops if op.stage == stage), key=lambda op: op.start_s)
     return [("F" if op.kind == "forward" else "B", op.microbatch) for op in mine]
 
@@ -69,26 +72,40 @@ def test_the_simulation_runs_the_runtime_s_schedule() -> None:
     assert simulated_order("1f1b", 0, 4, 2) == [("F", 0), ("F", 1), ("B", 0), ("B", 1)]
 
 
+def test_the_runtime_s_transport_is_the_default() -> None:
+    assert DEFAULT_TRANSPORT == "gloo" and TRANSPORTS == ("gloo", "streaming")
+    assert equal_split(2, 4).transport == "gloo"
+    assert pipeline_step(equal_split(2, 4)).transport == "gloo"
+
+
+@pytest.mark.parametrize("transport", TRANSPORTS)
 @pytest.mark.parametrize("schedule", SCHEDULES)
 @pytest.mark.parametrize("stages", [2, 3, 4])
 @pytest.mark.parametrize("microbatches", [1, 2, 4, 7])
-def test_each_stage_follows_schedule_order_whatever_the_link(schedule: str, stages: int, microbatches: int) -> None:
+def test_each_stage_follows_schedule_order_whatever_the_link(transport: str, schedule: str, stages: int,
+                                                             microbatches: int) -> None:
     for latency_s in (0.0, 5.0):  # a long delay reorders nothing: the order is the schedule's, not the arrivals'
         for stage in range(stages):
-            assert simulated_order(schedule, stage, stages, microbatches, latency_s) == schedule_order(
+            assert simulated_order(schedule, stage, stages, microbatches, latency_s, transport) == schedule_order(
                 schedule, stage, stages, microbatches)
 
 
-def test_an_unknown_schedule_is_a_cost_model_error() -> None:
+def test_an_unknown_schedule_or_transport_is_a_cost_model_error() -> None:
     with pytest.raises(CostModelError, match="unknown pipeline schedule 'zigzag'"):
         simulate_schedule("zigzag", [1.0, 1.0], [2.0, 2.0], [0.0], [0.0], 4)
+    with pytest.raises(CostModelError, match="unknown pipeline transport 'carrier-pigeon'; known: gloo, streaming"):
+        simulate_schedule("gpipe", [1.0, 1.0], [2.0, 2.0], [0.0], [0.0], 4, "carrier-pigeon")
 
 
+@pytest.mark.parametrize("transport", TRANSPORTS)
 @pytest.mark.parametrize("schedule", SCHEDULES)
 @pytest.mark.parametrize("stages", [2, 3, 4])
 @pytest.mark.parametrize("microbatches", range(1, 9))
-def test_free_links_and_equal_stages_give_the_textbook_bubble(schedule: str, stages: int, microbatches: int) -> None:
-    estimate = pipeline_step(equal_split(stages, microbatches, schedule))
+def test_free_links_and_equal_stages_give_the_textbook_bubble(transport: str, schedule: str, stages: int,
+                                                              microbatches: int) -> None:
+    # gloo's handshake costs nothing on a free link: a sender waits for its receiver's notice only until the
+    # receiver posts its receive, which it does before the op that needs the data
+    estimate = pipeline_step(equal_split(stages, microbatches, schedule, transport=transport))
     expected = (stages - 1) / (microbatches + stages - 1)
     assert estimate.bubble_fraction == pytest.approx(expected, rel=1e-12, abs=1e-15)
     assert estimate.theoretical_bubble_fraction == bubble_fraction(stages, microbatches) == expected
@@ -97,23 +114,27 @@ def test_free_links_and_equal_stages_give_the_textbook_bubble(schedule: str, sta
     assert estimate.exposed_comm_s == 0.0
 
 
+@pytest.mark.parametrize("transport", TRANSPORTS)
 @pytest.mark.parametrize("stages", [2, 3, 4])
 @pytest.mark.parametrize("microbatches", [1, 3, 8])
 @pytest.mark.parametrize("backward_ratio", [1.0, 2.0, 3.5])
-def test_gpipe_and_1f1b_take_the_same_step_over_free_links(stages: int, microbatches: int,
+def test_gpipe_and_1f1b_take_the_same_step_over_free_links(transport: str, stages: int, microbatches: int,
                                                            backward_ratio: float) -> None:
-    gpipe = pipeline_step(equal_split(stages, microbatches, "gpipe", backward_ratio=backward_ratio))
-    one_f_one_b = pipeline_step(equal_split(stages, microbatches, "1f1b", backward_ratio=backward_ratio))
+    gpipe = pipeline_step(equal_split(stages, microbatches, "gpipe", backward_ratio=backward_ratio,
+                                      transport=transport))
+    one_f_one_b = pipeline_step(equal_split(stages, microbatches, "1f1b", backward_ratio=backward_ratio,
+                                            transport=transport))
     assert one_f_one_b.step_s == pytest.approx(gpipe.step_s, rel=1e-12)
 
 
-def test_the_timeline_keeps_every_dependency() -> None:
+@pytest.mark.parametrize("transport", TRANSPORTS)
+def test_the_timeline_keeps_every_dependency(transport: str) -> None:
     link = resolve_link(bandwidth_mbps=100, rtt_ms=60)
+    hop = transfer_time(1e6, 100) + 0.030
     for schedule in SCHEDULES:
-        estimate = pipeline_step(equal_split(3, 5, schedule, link=link, activation_bytes=1e6))
+        estimate = pipeline_step(equal_split(3, 5, schedule, link=link, activation_bytes=1e6, transport=transport))
         ops = {(op.stage, op.kind, op.microbatch): op for op in estimate.timeline}
         assert len(ops) == 3 * 5 * 2
-        hop = transfer_time(1e6, 100) + 0.030
         for (stage, kind, m), op in ops.items():
             if kind == "forward" and stage > 0:
                 assert op.start_s >= ops[(stage - 1, "forward", m)].end_s + hop - 1e-12
@@ -126,14 +147,31 @@ def test_the_timeline_keeps_every_dependency() -> None:
             assert all(a.end_s <= b.start_s + 1e-12 for a, b in zip(mine, mine[1:], strict=False))
 
 
+def test_over_gloo_an_op_that_receives_waits_a_round_trip_after_the_stage_s_previous_op() -> None:
+    # the stage posts the op's receive no earlier than its previous op's end (or the step's start); the notice takes
+    # RTT/2 to the sender, the data RTT/2 + its time on the wire back
+    link = resolve_link(bandwidth_mbps=100, rtt_ms=60)
+    round_trip = 0.060 + transfer_time(1e6, 100)
+    for schedule in SCHEDULES:
+        estimate = pipeline_step(equal_split(3, 5, schedule, link=link, activation_bytes=1e6))
+        for stage in range(3):
+            previous_end = 0.0
+            for op in sorted((op for op in estimate.timeline if op.stage == stage), key=lambda op: op.start_s):
+                receives = stage > 0 if op.kind == "forward" else stage < 2
+                if receives:
+                    assert op.start_s >= previous_end + round_trip - 1e-12, (schedule, op)
+                previous_end = op.end_s
+
+
 # ----------------------------------------------------------------------------- what the WAN adds
 
 
 @pytest.mark.parametrize("stages", [2, 3, 4])
-def test_latency_adds_two_one_way_delays_per_boundary_to_a_gpipe_step(stages: int) -> None:
-    # 1-byte activations on a fast link with a 200 ms RTT: the fill and the drain each cross S − 1 boundaries
+def test_streaming_latency_adds_two_one_way_delays_per_boundary_to_a_gpipe_step(stages: int) -> None:
+    # the ideal transport (a send leaves when its op ends), 1-byte activations on a fast link with a 200 ms RTT:
+    # the fill and the drain each cross S − 1 boundaries
     link = resolve_link(bandwidth_mbps=10_000, rtt_ms=200)
-    plan = equal_split(stages, 8, "gpipe", link=link, activation_bytes=1.0, step_time_s=2.0)
+    plan = equal_split(stages, 8, "gpipe", link=link, activation_bytes=1.0, step_time_s=2.0, transport="streaming")
     estimate = pipeline_step(plan)
     latency = 0.100
     assert estimate.latency_s == (latency,) * (stages - 1)
@@ -144,18 +182,73 @@ def test_latency_adds_two_one_way_delays_per_boundary_to_a_gpipe_step(stages: in
     assert estimate.exposed_comm_s == pytest.approx(exact, rel=1e-12)
 
 
-def test_a_slow_link_makes_the_step_about_the_micro_batches_transfers() -> None:
+@pytest.mark.parametrize("microbatches", [4, 8, 9, 16])
+def test_over_gloo_gpipe_pays_a_round_trip_per_micro_batch_each_way(microbatches: int) -> None:
+    # By hand, 2 stages, one-way delay L = 0.1 s, wire time T (1 byte), f / b a micro-batch's forward / backward
+    # (f ≤ L). Forwards: stage 1 posts the receive of F[m] when F[m − 1] ends; its notice reaches stage 0 L later,
+    # the data (sent long before) leaves then and arrives L + T later: stage 1's F[m] ends at (m + 1)(2L + T + f).
+    # Stage 0 waits for its last forward send ((M − 1)(2L + T + f) + L), then posts the receive of B[0], which is
+    # there long before stage 1 sends B[0] at M(2L + T + f) + b: B[0] arrives one way later. From then on stage 0
+    # posts the receive of B[m] when B[m − 1] ends, and waits 2L + T for it. Step:
+    #   M(2L + T + f) + b + L + T + (M − 1)(2L + T + b) + b = (4M − 1)L + 2M·T + M·f + (M + 1)b,
+    # against (M + 1)(f + b) over free links: exposed (4M − 1)L + 2M·T − f (the streaming transport: 2(L + T)).
+    latency, transfer = 0.100, transfer_time(1.0, 10_000)
+    link = resolve_link(bandwidth_mbps=10_000, rtt_ms=200)
+    estimate = pipeline_step(equal_split(2, microbatches, "gpipe", link=link, activation_bytes=1.0, step_time_s=1.0))
+    f, b = estimate.forward_s[0], estimate.backward_s[0]
+    assert f <= latency
+    assert estimate.free_links_step_s == pytest.approx((microbatches + 1) * (f + b), rel=1e-12)
+    exposed = (4 * microbatches - 1) * latency + 2 * microbatches * transfer - f
+    assert estimate.exposed_comm_s == pytest.approx(exposed, rel=1e-12)
+
+
+@pytest.mark.parametrize("microbatches", [4, 8, 9, 16])
+def test_over_gloo_1f1b_pays_one_round_trip_per_micro_batch(microbatches: int) -> None:
+    # By hand, the same 2 stages (2f ≤ L). Stage 0 runs F[0], F[1] (F[0]'s data leaves at L, when stage 1's notice
+    # arrives, so stage 0 waits for it until L), then holds F[1]'s send and posts it with the receive of B[0].
+    # Stage 1 runs F[0] at 2L + T, then B[0], then posts B[0]'s send with F[1]'s receive at t = 2L + T + f + b:
+    # B[0] leaves at once (stage 0's receive was posted at L), F[1] one way later, when the notice gets there, and
+    # arrives at t + 2L + T. So stage 1 runs F[m], B[m] in turn, one round trip (2L + T) apart, each micro-batch's
+    # activation and gradient crossing in the same round trip: stage 1 ends at M(2L + T + f + b), and stage 0's last
+    # backward one way and one backward later. Step (M + 1)·b + M·f + (2M + 1)L + (M + 1)T, exposed
+    # (2M + 1)L + (M + 1)T − f: about half of GPipe's (4M − 1)L.
+    latency, transfer = 0.100, transfer_time(1.0, 10_000)
+    link = resolve_link(bandwidth_mbps=10_000, rtt_ms=200)
+    estimate = pipeline_step(equal_split(2, microbatches, "1f1b", link=link, activation_bytes=1.0, step_time_s=1.0))
+    f = estimate.forward_s[0]
+    assert 2 * f <= latency
+    exposed = (2 * microbatches + 1) * latency + (microbatches + 1) * transfer - f
+    assert estimate.exposed_comm_s == pytest.approx(exposed, rel=1e-12)
+    gpipe = pipeline_step(equal_split(2, microbatches, "gpipe", link=link, activation_bytes=1.0, step_time_s=1.0))
+    assert estimate.step_s < gpipe.step_s
+
+
+@pytest.mark.parametrize("schedule", SCHEDULES)
+@pytest.mark.parametrize("stages", [2, 3, 4])
+@pytest.mark.parametrize("microbatches", [1, 4, 8])
+def test_gloo_s_handshake_never_makes_a_step_shorter_than_streaming(schedule: str, stages: int,
+                                                                    microbatches: int) -> None:
+    for link, activation_bytes in (("continental", 4e6), ("transoceanic", 1e6), ("constrained", 1e5)):
+        plan = equal_split(stages, microbatches, schedule, link=link, activation_bytes=activation_bytes)
+        gloo = pipeline_step(plan)
+        streaming = pipeline_step(replace(plan, transport="streaming"))
+        assert gloo.step_s >= streaming.step_s - 1e-12
+        assert gloo.free_links_step_s == pytest.approx(streaming.free_links_step_s, rel=1e-12)
+
+
+@pytest.mark.parametrize("transport", TRANSPORTS)
+def test_a_slow_link_makes_the_step_about_the_micro_batches_transfers(transport: str) -> None:
     # 100 MB activations over 100 Mbps: 8 s on the wire per micro-batch, against 1 s of compute per step
     link = resolve_link(bandwidth_mbps=100, rtt_ms=0)
     transfer = transfer_time(1e8, 100)
     assert transfer == pytest.approx(8.0)
-    gpipe = pipeline_step(equal_split(2, 8, "gpipe", link=link, activation_bytes=1e8))
+    gpipe = pipeline_step(equal_split(2, 8, "gpipe", link=link, activation_bytes=1e8, transport=transport))
     # GPipe: M activations forward one after another, then M gradients back
     assert gpipe.transfer_s == (transfer,)
     assert gpipe.step_s == pytest.approx(2 * 8 * transfer, rel=0.01)
     assert gpipe.step_s > 2 * 8 * transfer
     # 1F1B uses both directions of the link at once, but each direction still carries M micro-batches
-    one_f_one_b = pipeline_step(equal_split(2, 8, "1f1b", link=link, activation_bytes=1e8))
+    one_f_one_b = pipeline_step(equal_split(2, 8, "1f1b", link=link, activation_bytes=1e8, transport=transport))
     assert 8 * transfer < one_f_one_b.step_s <= gpipe.step_s
     assert one_f_one_b.exposed_comm_s / one_f_one_b.step_s > 0.9
 
@@ -245,13 +338,28 @@ def test_nothing_fits_when_even_a_stage_is_too_big() -> None:
     assert result.verdict.startswith("Nothing fits.")
 
 
-def test_the_verdict_points_at_gpipe_when_1f1b_waits_on_round_trips() -> None:
-    plan = equal_split(2, 8, "1f1b", link=resolve_link(bandwidth_mbps=1000, rtt_ms=100), activation_bytes=4e6,
+def test_the_verdict_points_at_1f1b_when_gpipe_waits_on_gloo_s_round_trips() -> None:
+    # the hand-computed cases above with 4 MB over 1 Gbps (T = 32 ms), L = 50 ms, f = 1/24 s: GPipe exposes
+    # 31L + 16T − f = 2.02 s, 1F1B about half
+    plan = equal_split(2, 8, "gpipe", link=resolve_link(bandwidth_mbps=1000, rtt_ms=100), activation_bytes=4e6,
                        step_time_s=2.0)
+    result = compare(plan)
+    assert result.pipeline.exposed_comm_s == pytest.approx(31 * 0.050 + 16 * 0.032 - 1 / 24, rel=1e-12)
+    assert result.other_schedule == "1f1b"
+    assert result.other_schedule_step_s < result.pipeline.step_s
+    assert "1F1B would take 2.22 s per step here: GPipe posts each receive only when it needs it" in result.verdict
+    # and 1F1B's verdict has nothing to point at
+    assert "would take" not in compare(replace(plan, schedule="1f1b")).verdict
+
+
+def test_the_verdict_points_at_gpipe_when_1f1b_waits_on_round_trips_over_a_streaming_transport() -> None:
+    # the ideal transport: GPipe pays the one-way delays once in the fill and once in the drain, 1F1B again and again
+    plan = equal_split(2, 8, "1f1b", link=resolve_link(bandwidth_mbps=1000, rtt_ms=100), activation_bytes=4e6,
+                       step_time_s=2.0, transport="streaming")
     result = compare(plan)
     assert result.other_schedule == "gpipe"
     assert result.other_schedule_step_s < result.pipeline.step_s
-    assert "GPipe would take" in result.verdict
+    assert "GPipe would take" in result.verdict and "1F1B keeps at most S micro-batches in flight" in result.verdict
 
 
 # ----------------------------------------------------------------------------- input checks
@@ -265,6 +373,7 @@ def test_the_verdict_points_at_gpipe_when_1f1b_waits_on_round_trips() -> None:
     (dict(step_time_s=0.0), "step time"),
     (dict(backward_ratio=0.0), "backward/forward ratio"),
     (dict(schedule="zigzag"), "unknown pipeline schedule 'zigzag'; known: gpipe, 1f1b"),
+    (dict(transport="tcp"), "unknown pipeline transport 'tcp'; known: gloo, streaming"),
     (dict(links=[FREE, FREE]), "2 stages have 1 boundaries, but 2 links were given"),
     (dict(links=["mars"]), "unknown link profile 'mars'"),
     (dict(stage_compute_s=[1.0]), "stage compute times are given for 1 stages, the split has 2"),
@@ -295,15 +404,20 @@ def test_cli_pipeline_table() -> None:
     assert any(line.startswith("data parallel") for line in lines)
     assert any(line.startswith("DiLoCo (tau 100)") for line in lines)
     assert "64 MB" in result.stdout and "8 GB" in result.stdout  # the pipeline's and data parallel's bytes per step
-    assert lines[-1].startswith("verdict: pipeline (1f1b) wins per step")
+    # over gloo 1F1B pays a round trip per micro-batch (2.22 s a step, test_the_verdict_points_at_1f1b_...): DiLoCo
+    # at τ = 100 (2.09 s) is the faster here
+    assert any(line.startswith("pipeline (1f1b)") and "2.22 s" in line for line in lines)
+    assert lines[-1].startswith("verdict: DiLoCo (tau 100) wins per step: 2.09 s against pipeline (1f1b) 2.22 s")
 
 
 def test_cli_pipeline_json() -> None:
     result = CliRunner().invoke(app, [*PIPELINE_ARGS, "--schedule", "gpipe", "--tau", "50", "--json"])
     assert result.exit_code == 0, result.output
     out = json.loads(result.stdout)
-    # GPipe: 1.125 s over free links, plus 2 · (50 ms + 32 ms) for the fill and the drain
-    assert out["pipeline"]["step_s"] == pytest.approx(1.125 + 2 * (0.050 + 0.032))
+    # GPipe over gloo: 1.125 s over free links, plus (4M − 1)L + 2M·T − f = 31 · 50 ms + 16 · 32 ms − 1/24 s
+    # (test_over_gloo_gpipe_pays_a_round_trip_per_micro_batch_each_way); DiLoCo at τ = 50 takes 3.19 s
+    assert out["pipeline"]["step_s"] == pytest.approx(1.125 + 31 * 0.050 + 16 * 0.032 - 1 / 24)
+    assert out["pipeline"]["transport"] == "gloo"
     assert out["pipeline"]["wan_bytes_per_step"] == 2 * 8 * 4e6
     assert out["data_parallel"]["comm_s"] == pytest.approx(32.1)
     assert [row["name"] for row in out["strategies"]] == ["pipeline (gpipe)", "data parallel", "DiLoCo (tau 50)"]

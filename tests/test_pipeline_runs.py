@@ -77,7 +77,9 @@ class StageKilledRun(LocalRun):
 def pipeline_run(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
     root = tmp_path_factory.mktemp("pipeline")
     db_url = f"sqlite:///{root / 'runs.db'}"
-    run = StageKilledRun(parse_config(tomllib.loads(CONFIG)),
+    doc = tomllib.loads(CONFIG)
+    doc["checkpoint"]["dir"] = str(root / "checkpoints")
+    run = StageKilledRun(parse_config(doc),
                          LocalRunOptions(db_url=db_url, engine="deployment", superlink_port=free_port(), runs_root=root))
     with pytest.raises(RunFailed) as failure:
         run.execute()
@@ -91,10 +93,10 @@ def pipeline_run(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
     finally:
         engine.dispose()
     return {"failure": str(failure.value), "failed": failed, "resumed": resumed, **read_run(db_url, run.run_id),
-            "stages": stages, "spans": spans, "run_dir": RunDir(root / run.run_id)}
+            "stages": stages, "spans": spans, "run_dir": RunDir(root / run.run_id), "db_url": db_url}
 
 
-@pytest.mark.timeout(600)
+@pytest.mark.timeout(420)
 def test_a_killed_stage_fails_the_run_with_an_error_naming_it(pipeline_run: dict[str, Any]) -> None:
     assert pipeline_run["failed"]["run"]["status"] == "failed"
     error = pipeline_run["failed"]["run"]["error"]
@@ -102,7 +104,7 @@ def test_a_killed_stage_fails_the_run_with_an_error_naming_it(pipeline_run: dict
     assert any(e["kind"] == "pipeline-stage-failed" for e in pipeline_run["failed"]["events"])
 
 
-@pytest.mark.timeout(600)
+@pytest.mark.timeout(420)
 def test_the_resumed_run_goes_on_from_its_checkpoint_to_the_end(pipeline_run: dict[str, Any]) -> None:
     resumed = pipeline_run["resumed"]
     assert resumed.returncode == 0, resumed.stderr[-3000:]
@@ -117,7 +119,7 @@ def test_the_resumed_run_goes_on_from_its_checkpoint_to_the_end(pipeline_run: di
     assert {"net.0.weight", "net.6.weight"} <= set(final.files)  # both stages' layers in the assembled model
 
 
-@pytest.mark.timeout(600)
+@pytest.mark.timeout(420)
 def test_every_round_logs_each_stage_with_the_bytes_its_link_carried(pipeline_run: dict[str, Any]) -> None:
     stages = pipeline_run["stages"]
     assert sorted((s["round"], s["stage"]) for s in stages) == [(r, s) for r in range(1, ROUNDS + 1) for s in (0, 1)]
@@ -136,7 +138,7 @@ def test_every_round_logs_each_stage_with_the_bytes_its_link_carried(pipeline_ru
     assert len(ok) == 2 * ROUNDS and all(r["idle_s"] > 0 for r in ok)
 
 
-@pytest.mark.timeout(600)
+@pytest.mark.timeout(420)
 def test_every_micro_batch_of_every_step_is_on_the_timeline(pipeline_run: dict[str, Any]) -> None:
     spans = [s for s in pipeline_run["spans"] if s["kind"] in ("forward", "backward")]
     for stage in ("us-east", VICTIM):
@@ -144,3 +146,19 @@ def test_every_micro_batch_of_every_step_is_on_the_timeline(pipeline_run: dict[s
         assert len(mine) == ROUNDS * TAU * MICROBATCHES * 2, stage
         assert {s["microbatch"] for s in mine} == set(range(MICROBATCHES))
         assert {s["step"] for s in mine} == set(range(1, ROUNDS * TAU + 1))
+
+
+@pytest.mark.timeout(420)
+def test_the_dashboard_shows_the_runs_stages(pipeline_run: dict[str, Any]) -> None:
+    from fastapi.testclient import TestClient
+
+    from crossdc.dashboard.app import create_app
+
+    run_id = pipeline_run["run"]["id"]
+    with TestClient(create_app(pipeline_run["db_url"])) as client:
+        listed = client.get(f"/api/runs/{run_id}/pipeline-stages")
+        page = client.get(f"/runs/{run_id}")
+    assert listed.status_code == 200 and page.status_code == 200
+    assert [(i["round"], i["stage"]) for i in listed.json()["items"]] == [(r, s) for r in range(1, ROUNDS + 1)
+                                                                          for s in (0, 1)]
+    assert 'id="pipeline-stages-table"' in page.text and VICTIM in page.text

@@ -3,24 +3,41 @@
 Pure functions, no I/O and no torch. What it promises:
 
 - :func:`pipeline_step` predicts one optimizer step of a model cut into S stages, one stage per datacenter, each
-  batch cut into M micro-batches, by **simulating the schedule** event by event, not by a closed formula. The
-  schedule is the runtime's own, `strategies.pipeline.schedule_order` (torch's ScheduleGPipe and Schedule1F1B:
-  GPipe every forward, then every backward; 1F1B a warm-up of min(M, S − s) forwards on stage s, then one backward
-  and one forward in turn while forwards remain, then the remaining backwards):
+  batch cut into M micro-batches, by **simulating what crossdc's runtime does** event by event, not by a closed
+  formula. The runtime (crossdc.clients.pipeline_stage) runs torch.distributed.pipelining's ScheduleGPipe or
+  Schedule1F1B over gloo; the order of each stage's ops is `strategies.pipeline.schedule_order`, the one definition
+  of both schedules (GPipe every forward, then every backward; 1F1B a warm-up of min(M, S − s) forwards on stage s,
+  then one backward and one forward in turn while forwards remain, then the remaining backwards):
 
-  * stage s runs its forwards F[s][m] and backwards B[s][m] one at a time, in the schedule's order for that stage;
-  * F[s][m] starts when stage s is free and F[s−1][m]'s activation has arrived; B[s][m] starts when stage s is free
-    and B[s+1][m]'s gradient has arrived (the last stage's backward needs only its own forward: the loss is there);
-  * a boundary's link carries each direction on its own (full duplex), one micro-batch after another: a send leaves
-    when its op has ended and the previous send of that direction has left the wire, occupies the wire
-    ``activation_bytes / bandwidth`` (`cost_model.transfer_time`) and arrives one one-way delay (RTT/2) later;
-  * the step is the last backward's end plus ``optimizer_s``.
+  * stage s runs its forwards F[s][m] and backwards B[s][m] one at a time, in that order; before each op it posts
+    the op's receive (the activation from stage s − 1, the gradient from stage s + 1; the last stage's backward
+    needs only its own forward: the loss is there) and waits for it; after the op it posts the op's send;
+  * **when a message's data leaves** (``transport``): with ``"gloo"``, the default and what the runtime does, gloo's
+    TCP transport sends a message's data only once the receiver has posted its receive and that notice has crossed
+    the link (gloo's pair.cc: a send with no remote pending receive waits for the receiver's ready-to-receive
+    notice), so the data leaves at max(send posted, receive posted + RTT/2, the wire free). torch's schedules post
+    each receive just before they need it, so a micro-batch whose receiver is already waiting costs a round trip
+    plus its time on the wire, not a one-way delay. With ``"streaming"`` (an ideal engine that pipelines its sends,
+    receives posted in advance: the model before the runtime was measured) the data leaves at max(send posted, the
+    wire free);
+  * **when a send is waited for** (gloo): as torch's schedules do. GPipe posts each send right after its op and
+    waits for all of a phase's sends at the phase's end. 1F1B posts a warm-up forward's send at once and waits for it
+    after the next forward, holds the last warm-up forward's send and every send of the one-backward-one-forward
+    phase back until the stage's next receive, posts them together and waits for both (Schedule1F1B's fused
+    ``fwd_send_bwd_recv`` and ``bwd_send_fwd_recv``), and posts the cool-down's backward sends at once, waiting for
+    each after the next backward. A send completes when its data leaves. ("streaming" never waits for a send.)
+  * a boundary's link carries each direction on its own (full duplex), one micro-batch after another: data occupies
+    the wire ``activation_bytes / bandwidth`` (`cost_model.transfer_time`) and arrives one one-way delay (RTT/2)
+    after it left;
+  * the step is the last op's end plus ``optimizer_s``.
 
   A stage's compute per step is ``step_time_s`` × its share of the parameters (or ``stage_compute_s``), split
   over M micro-batches as forward : backward = 1 : ``backward_ratio``. With free links and equal stages the
   simulation reproduces the textbook bubble (S−1)/(M+S−1) (`strategies.pipeline.bubble_fraction`) exactly, for
-  both schedules; what the WAN adds (latency on the fill and drain, a link slower than a stage) comes out of the
-  same simulation, reported as ``exposed_comm_s`` (the step minus the same schedule's step over free links).
+  both schedules and both transports; what the WAN adds (the handshake's round trips, a link slower than a stage)
+  comes out of the same simulation, reported as ``exposed_comm_s`` (the step minus the same schedule's step over
+  free links). benchmarks/pipeline_bench.py measures the gloo model against real runs over the namespace emulator
+  (docs/benchmarks.md).
 
 - :func:`compare` sets it beside the two strategies that keep the whole model in every datacenter, on the same S
   datacenters, the **same batch per optimizer step** (each datacenter of data parallel or DiLoCo computes 1/S of it,
@@ -38,8 +55,9 @@ Pure functions, no I/O and no torch. What it promises:
   pipeline its largest stage).
 
 Not modelled: the activations' memory (1F1B holds fewer than GPipe; the step time is the same with free links),
-compute/communication interference, TCP's window growth and loss (see cost_model), and the micro-batches' effect on
-the per-op efficiency of the accelerators (a micro-batch's forward is taken as 1/M of the batch's).
+compute/communication interference, TCP's window growth and loss (see cost_model), the notices sharing a TCP
+connection with the data going the other way, and the micro-batches' effect on the per-op efficiency of the
+accelerators (a micro-batch's forward is taken as 1/M of the batch's).
 
 Units: bandwidth in Mbps, RTT in ms, sizes in bytes, times in s (as in `cost_model`).
 """
@@ -71,6 +89,10 @@ from crossdc.wan.cost_model import (
 DEFAULT_BACKWARD_RATIO = 2.0
 DEFAULT_TAU = 100
 SCHEDULE_NAMES = {"gpipe": "GPipe", "1f1b": "1F1B"}
+#: when a message's data leaves (see the module docstring): "gloo" (the runtime's: after the receiver's notice),
+#: "streaming" (an ideal engine: as soon as it is sent)
+TRANSPORTS = ("gloo", "streaming")
+DEFAULT_TRANSPORT = "gloo"
 
 OpKind = Literal["forward", "backward"]
 
@@ -92,6 +114,8 @@ class PipelinePlan:
     backward_ratio: a backward's time over its forward's (2 for a transformer's matmuls).
     links: one link per boundary (S − 1), a `LinkSpec` or a profile name; boundary i joins stages i and i + 1.
     schedule: "gpipe" (every forward, then every backward) or "1f1b".
+    transport: "gloo" (the runtime's: a message's data leaves once the receiver's notice has crossed the link) or
+    "streaming" (an ideal engine whose data leaves as soon as it is sent); see the module docstring.
     optimizer_s: seconds of the optimizer step after the last backward (0: ignored).
     max_params_per_datacenter: the most parameters one datacenter can hold (None: no limit).
     """
@@ -106,6 +130,7 @@ class PipelinePlan:
     stage_compute_s: Sequence[float] | None = None
     optimizer_s: float = 0.0
     max_params_per_datacenter: float | None = None
+    transport: str = DEFAULT_TRANSPORT
 
     def __post_init__(self) -> None:
         params = tuple(self.stage_params)
@@ -121,6 +146,7 @@ class PipelinePlan:
         _non_negative("optimizer time (s)", self.optimizer_s)
         if self.schedule not in SCHEDULES:
             raise CostModelError(f"unknown pipeline schedule '{self.schedule}'; known: {', '.join(SCHEDULES)}")
+        _check_transport(self.transport)
         links = tuple(self.links)
         if len(links) != len(params) - 1:
             raise CostModelError(f"{len(params)} stages have {len(params) - 1} boundaries, but {len(links)} links "
@@ -165,6 +191,11 @@ class PipelinePlan:
 _OP_KINDS: dict[str, OpKind] = {"F": "forward", "B": "backward"}
 
 
+def _check_transport(transport: str) -> None:
+    if transport not in TRANSPORTS:
+        raise CostModelError(f"unknown pipeline transport '{transport}'; known: {', '.join(TRANSPORTS)}")
+
+
 def _stage_orders(schedule: str, stages: int, microbatches: int) -> list[list[tuple[OpKind, int]]]:
     """Each stage's ops in the order the runtime runs them: `strategies.pipeline.schedule_order`, the one definition
     of GPipe and 1F1B (torch's ScheduleGPipe and Schedule1F1B), its "F"/"B" named as the simulation's op kinds."""
@@ -173,6 +204,86 @@ def _stage_orders(schedule: str, stages: int, microbatches: int) -> list[list[tu
     _positive_int("micro-batches", microbatches)
     return [[(_OP_KINDS[kind], m) for kind, m in schedule_order(schedule, stage, stages, microbatches)]
             for stage in range(stages)]
+
+
+#: a message between two stages: (direction, boundary, micro-batch), an activation ("forward") going from stage
+#: boundary to boundary + 1 or a gradient ("backward") from boundary + 1 to boundary
+_Message = tuple[OpKind, int, int]
+#: one end of a message: ("send" | "recv", the message)
+_End = tuple[Literal["send", "recv"], _Message]
+
+
+@dataclass(frozen=True)
+class _Instruction:
+    """One thing a stage does, in order: post message ends, wait for them (a receive until its data has arrived, a
+    send until its data has left), or compute an op."""
+
+    action: Literal["post", "wait", "compute"]
+    ends: tuple[_End, ...] = ()
+    kind: OpKind = "forward"
+    microbatch: int = -1
+
+
+def _stage_program(schedule: str, transport: str, stage: int, stages: int,
+                   order: Sequence[tuple[OpKind, int]]) -> list[_Instruction]:
+    """What stage `stage` does in one step (see the module docstring): its ops in `order`, each after its receive,
+    with the sends posted and waited for as torch's ScheduleGPipe / Schedule1F1B do (torch 2.13,
+    torch/distributed/pipelining/schedules.py), or, with the "streaming" transport, posted at once and never waited
+    for."""
+
+    def receive(kind: OpKind, m: int) -> tuple[_End, ...]:
+        if kind == "forward":
+            return (("recv", ("forward", stage - 1, m)),) if stage > 0 else ()
+        return (("recv", ("backward", stage, m)),) if stage < stages - 1 else ()
+
+    def send(kind: OpKind, m: int) -> tuple[_End, ...]:
+        if kind == "forward":
+            return (("send", ("forward", stage, m)),) if stage < stages - 1 else ()
+        return (("send", ("backward", stage - 1, m)),) if stage > 0 else ()
+
+    program: list[_Instruction] = []
+
+    def post_and_wait(ends: tuple[_End, ...]) -> None:
+        program.extend((_Instruction("post", ends), _Instruction("wait", ends)))
+
+    if transport == "streaming":
+        for kind, m in order:
+            post_and_wait(receive(kind, m))
+            program += [_Instruction("compute", kind=kind, microbatch=m), _Instruction("post", send(kind, m))]
+        return program
+    if schedule == "gpipe":
+        # each send posted after its op; a phase's sends waited for at the phase's end (fwd_sends_to_wait, ...)
+        unwaited: tuple[_End, ...] = ()
+        for index, (kind, m) in enumerate(order):
+            post_and_wait(receive(kind, m))
+            program += [_Instruction("compute", kind=kind, microbatch=m), _Instruction("post", send(kind, m))]
+            unwaited += send(kind, m)
+            if index == len(order) - 1 or order[index + 1][0] != kind:
+                program.append(_Instruction("wait", unwaited))
+                unwaited = ()
+        return program
+    # 1F1B: the warm-up's forwards, then backward and forward in turn up to the backward after the last forward
+    # (the loop's break), then the cool-down's backwards. A send is held back, and posted with the next op's receive,
+    # from the warm-up's last forward up to the op before the break; the others are fired at once and waited for
+    # after the next op (send_work).
+    warmup = next(index for index, (kind, _) in enumerate(order) if kind == "backward")
+    last_forward = max(index for index, (kind, _) in enumerate(order) if kind == "forward")
+    held: tuple[_End, ...] = ()
+    fired: tuple[_End, ...] = ()
+    for index, (kind, m) in enumerate(order):
+        post_and_wait(held + receive(kind, m))
+        held = ()
+        program.append(_Instruction("compute", kind=kind, microbatch=m))
+        if fired:
+            program.append(_Instruction("wait", fired))
+            fired = ()
+        if warmup - 1 <= index <= last_forward:
+            held = send(kind, m)
+        else:
+            fired = send(kind, m)
+            program.append(_Instruction("post", fired))
+    program.append(_Instruction("wait", fired))
+    return program
 
 
 @dataclass(frozen=True)
@@ -188,58 +299,64 @@ class ScheduledOp:
 
 
 def simulate_schedule(schedule: str, forward_s: Sequence[float], backward_s: Sequence[float],
-                      transfer_s: Sequence[float], latency_s: Sequence[float], microbatches: int) -> list[ScheduledOp]:
-    """Every op of one step, placed by the dependency rules of the module docstring.
+                      transfer_s: Sequence[float], latency_s: Sequence[float], microbatches: int,
+                      transport: str = DEFAULT_TRANSPORT) -> list[ScheduledOp]:
+    """Every op of one step, placed by the rules of the module docstring.
 
     forward_s / backward_s: one micro-batch's forward / backward on each stage; transfer_s / latency_s: each
-    boundary's time on the wire for one micro-batch and its one-way delay (the same both ways). Returns the ops in
-    the order they were placed.
+    boundary's time on the wire for one micro-batch and its one-way delay (the same both ways); transport: "gloo"
+    or "streaming". Returns the ops in the order they were placed. A send leaves before its receiver's op can
+    start, so no stage's wait for a send outlasts the first stage's last backward: the last op's end is the step's.
     """
     stages = len(forward_s)
     if len(backward_s) != stages or len(transfer_s) != stages - 1 or len(latency_s) != stages - 1:
         raise CostModelError("simulate_schedule needs a forward and a backward time per stage, a transfer and a "
                              "latency per boundary")
+    _check_transport(transport)
+    handshake = transport == "gloo"
     orders = _stage_orders(schedule, stages, microbatches)
-    placed = [0] * stages
-    stage_free = [0.0] * stages
-    forward_end: list[list[float | None]] = [[None] * microbatches for _ in range(stages)]
-    # arrivals at a stage: activations from the stage before, gradients from the stage after
-    activation_at: list[list[float | None]] = [[None] * microbatches for _ in range(stages)]
-    gradient_at: list[list[float | None]] = [[None] * microbatches for _ in range(stages)]
-    wire_free_forward = [0.0] * (stages - 1)
-    wire_free_backward = [0.0] * (stages - 1)
+    programs = [_stage_program(schedule, transport, stage, stages, orders[stage]) for stage in range(stages)]
+    counter = [0] * stages
+    clock = [0.0] * stages
+    posted: dict[_End, float] = {}
+    leaves: dict[_Message, float] = {}
+    arrives: dict[_Message, float] = {}
+    wire_free: dict[tuple[OpKind, int], float] = {}
     ops: list[ScheduledOp] = []
 
-    def send(boundary: int, ready: float, wire_free: list[float]) -> float:
-        leaves = max(ready, wire_free[boundary])
-        wire_free[boundary] = leaves + transfer_s[boundary]
-        return wire_free[boundary] + latency_s[boundary]
+    def resolve(message: _Message) -> None:
+        """Place the message on its wire once both of its ends are known (with gloo; its send alone otherwise)."""
+        send: _End = ("send", message)
+        receive: _End = ("recv", message)
+        if message in arrives or send not in posted or (handshake and receive not in posted):
+            return
+        direction, boundary, _ = message
+        ready = max(posted[send], posted[receive] + latency_s[boundary]) if handshake else posted[send]
+        leave = max(ready, wire_free.get((direction, boundary), 0.0))
+        wire_free[(direction, boundary)] = leave + transfer_s[boundary]
+        leaves[message] = leave
+        arrives[message] = leave + transfer_s[boundary] + latency_s[boundary]
 
-    while any(placed[stage] < len(orders[stage]) for stage in range(stages)):
+    while any(counter[stage] < len(programs[stage]) for stage in range(stages)):
         progressed = False
         for stage in range(stages):
-            while placed[stage] < len(orders[stage]):
-                kind, m = orders[stage][placed[stage]]
-                ready: float | None
-                if kind == "forward":
-                    ready = 0.0 if stage == 0 else activation_at[stage][m]
+            while counter[stage] < len(programs[stage]):
+                instruction = programs[stage][counter[stage]]
+                if instruction.action == "post":
+                    for end in instruction.ends:
+                        posted[end] = clock[stage]
+                        resolve(end[1])
+                elif instruction.action == "wait":
+                    if any(message not in arrives for _, message in instruction.ends):
+                        break  # waits on another stage
+                    clock[stage] = max([clock[stage], *(leaves[message] if role == "send" else arrives[message]
+                                                        for role, message in instruction.ends)])
                 else:
-                    own_forward = forward_end[stage][m]
-                    gradient = own_forward if stage == stages - 1 else gradient_at[stage][m]
-                    ready = None if own_forward is None or gradient is None else max(own_forward, gradient)
-                if ready is None:
-                    break  # waits on another stage
-                start = max(stage_free[stage], ready)
-                end = start + (forward_s[stage] if kind == "forward" else backward_s[stage])
-                stage_free[stage] = end
-                ops.append(ScheduledOp(stage, kind, m, start, end))
-                if kind == "forward":
-                    forward_end[stage][m] = end
-                    if stage < stages - 1:
-                        activation_at[stage + 1][m] = send(stage, end, wire_free_forward)
-                elif stage > 0:
-                    gradient_at[stage - 1][m] = send(stage - 1, end, wire_free_backward)
-                placed[stage] += 1
+                    seconds = forward_s[stage] if instruction.kind == "forward" else backward_s[stage]
+                    ops.append(ScheduledOp(stage, instruction.kind, instruction.microbatch, clock[stage],
+                                           clock[stage] + seconds))
+                    clock[stage] += seconds
+                counter[stage] += 1
                 progressed = True
         if not progressed:  # cannot happen for GPipe or 1F1B; a guard for a schedule that waits on itself
             raise CostModelError(f"the {schedule} schedule deadlocks with {stages} stages and {microbatches} "
@@ -254,8 +371,9 @@ def simulate_schedule(schedule: str, forward_s: Sequence[float], backward_s: Seq
 class PipelineEstimate:
     """One optimizer step of the pipeline split.
 
-    step_s = makespan_s + optimizer_s, makespan_s = the last backward's end. free_links_step_s: the same schedule
-    with transfers and latency of 0; exposed_comm_s = step_s − free_links_step_s, what the WAN adds.
+    transport: the plan's ("gloo" or "streaming"). step_s = makespan_s + optimizer_s, makespan_s = the last
+    backward's end. free_links_step_s: the same schedule and transport with transfers and latency of 0;
+    exposed_comm_s = step_s − free_links_step_s, what the WAN adds.
     stage_compute_s: each stage's compute per step; forward_s / backward_s: one micro-batch's on each stage.
     stage_idle_s: makespan_s − stage_compute_s, the time a stage idles (its bubble, waits on the WAN included).
     bubble_fraction: Σ idle / (S · makespan_s), the predicted share of the stages' time spent idle, beside the
@@ -269,6 +387,7 @@ class PipelineEstimate:
     stages: int
     microbatches: int
     schedule: str
+    transport: str
     step_s: float
     makespan_s: float
     optimizer_s: float
@@ -290,7 +409,8 @@ class PipelineEstimate:
 
 
 def pipeline_step(plan: PipelinePlan) -> PipelineEstimate:
-    """Predict one optimizer step of `plan` by simulating its schedule (see the module docstring)."""
+    """Predict one optimizer step of `plan` by simulating its schedule over its transport (see the module
+    docstring)."""
     stages, m = plan.stages, plan.microbatches
     compute = plan.compute_per_stage()
     forward = tuple(seconds / (m * (1.0 + plan.backward_ratio)) for seconds in compute)
@@ -298,15 +418,16 @@ def pipeline_step(plan: PipelinePlan) -> PipelineEstimate:
     links = plan.boundary_links
     transfer = tuple(transfer_time(plan.activation_bytes, link.bandwidth_mbps) for link in links)
     latency = tuple(link.rtt_ms / 2000.0 for link in links)
-    ops = simulate_schedule(plan.schedule, forward, backward, transfer, latency, m)
-    free_ops = simulate_schedule(plan.schedule, forward, backward, (0.0,) * (stages - 1), (0.0,) * (stages - 1), m)
+    ops = simulate_schedule(plan.schedule, forward, backward, transfer, latency, m, plan.transport)
+    free_ops = simulate_schedule(plan.schedule, forward, backward, (0.0,) * (stages - 1), (0.0,) * (stages - 1), m,
+                                 plan.transport)
     makespan = max(op.end_s for op in ops)
     free_makespan = max(op.end_s for op in free_ops)
     idle = tuple(makespan - seconds for seconds in compute)
     step = makespan + plan.optimizer_s
     per_boundary = 2.0 * m * plan.activation_bytes
     return PipelineEstimate(
-        stages=stages, microbatches=m, schedule=plan.schedule,
+        stages=stages, microbatches=m, schedule=plan.schedule, transport=plan.transport,
         step_s=step, makespan_s=makespan, optimizer_s=plan.optimizer_s,
         free_links_step_s=free_makespan + plan.optimizer_s, exposed_comm_s=makespan - free_makespan,
         stage_compute_s=compute, forward_s=forward, backward_s=backward, stage_idle_s=idle,
@@ -417,10 +538,17 @@ def compare(plan: PipelinePlan, tau: int = DEFAULT_TAU) -> Comparison:
     winner = min(feasible, key=lambda cost: cost.step_s) if feasible else None
     verdict = _verdict(plan, pipe, dp, costs, winner, ratio, tau)
     if costs[0].feasible and other.step_s < 0.99 * pipe.step_s:
-        verdict += (f" {SCHEDULE_NAMES[other_schedule]} would take {other.step_s:.3g} s per step here"
-                    + (": 1F1B keeps at most S micro-batches in flight, so the WAN's round trips are paid again and "
-                       "again, where GPipe pays them once in the fill and once in the drain (at the cost of holding "
-                       "all M micro-batches' activations)." if plan.schedule == "1f1b" else "."))
+        verdict += f" {SCHEDULE_NAMES[other_schedule]} would take {other.step_s:.3g} s per step here"
+        if plan.transport == "gloo" and plan.schedule == "gpipe":
+            verdict += (": GPipe posts each receive only when it needs it, so every micro-batch's activation and then "
+                        "its gradient wait a round trip for the receiver's notice, where 1F1B posts a stage's held "
+                        "send with its next receive and a micro-batch's activation and gradient share one.")
+        elif plan.transport == "streaming" and plan.schedule == "1f1b":
+            verdict += (": 1F1B keeps at most S micro-batches in flight, so the WAN's round trips are paid again and "
+                        "again, where GPipe pays them once in the fill and once in the drain (at the cost of holding "
+                        "all M micro-batches' activations).")
+        else:
+            verdict += "."
     return Comparison(tau=tau, link=link, pipeline=pipe, other_schedule=other_schedule,
                       other_schedule_step_s=other.step_s, data_parallel=dp, diloco=diloco, costs=costs,
                       activation_to_gradient_ratio=ratio, winner=None if winner is None else winner.name,
@@ -483,6 +611,6 @@ def uniform_links(stages: int, link: LinkSpec | str) -> tuple[LinkSpec, ...]:
 
 
 __all__ = [
-    "DEFAULT_BACKWARD_RATIO", "DEFAULT_TAU", "Comparison", "PipelineEstimate", "PipelinePlan", "ScheduledOp",
-    "StrategyCost", "compare", "pipeline_step", "simulate_schedule", "slowest_link", "uniform_links",
+    "DEFAULT_BACKWARD_RATIO", "DEFAULT_TAU", "DEFAULT_TRANSPORT", "TRANSPORTS", "Comparison", "PipelineEstimate",
+    "PipelinePlan", "ScheduledOp", "StrategyCost", "compare", "pipeline_step", "simulate_schedule", "slowest_link", "uniform_links",
 ]
