@@ -75,8 +75,8 @@ def gossip_rounds(run: LocalRun, key: str = "gossip_round") -> dict[str, int | N
 
 
 class FaultyGossipRun(LocalRun):
-    """The shared run: once round 3 is logged the victim crashes and restarts VICTIM_DOWN_S later; 5 s after it is
-    back, the ServerApp is killed and stays away COORDINATOR_AWAY_S. What the datacenters
+    """The shared run: once round 3 is logged the victim crashes and restarts VICTIM_DOWN_S later; at least 5 s after
+    it is back, once it trains again, the ServerApp is killed and stays away COORDINATOR_AWAY_S. What the datacenters
     said of their rounds around each fault is kept in `seen`."""
 
     def __init__(self, config: Any, options: LocalRunOptions) -> None:
@@ -93,7 +93,8 @@ class FaultyGossipRun(LocalRun):
             self.seen.update(before_restart=gossip_rounds(self))
             self.restart_datacenter(VICTIM)
             self.seen.update(victim_back=now, victim_back_logged=rounds_logged)
-        elif "victim_back" in self.seen and "coordinator_killed" not in self.seen and now - self.seen["victim_back"] > 5:
+        elif ("victim_back" in self.seen and "coordinator_killed" not in self.seen and now - self.seen["victim_back"] > 5
+              and gossip_rounds(self, "steps_taken")[VICTIM]):  # the victim trains again (a loaded machine: later)
             self.seen.update(coordinator_killed=now, killed_pids=self.kill_coordinator(COORDINATOR_AWAY_S),
                              at_coordinator_kill=gossip_rounds(self, "steps_taken"), logged_at_kill=rounds_logged)
         elif ("coordinator_killed" in self.seen and "while_away" not in self.seen
