@@ -127,8 +127,7 @@ def run_pipeline(grid: Grid, run_dir: RunDir, run_id: str, config: ExperimentCon
                                   after_error_s=float(strategy.params["stage_timeout_s"]) + 10.0)
         replies = {by_id[i]: reply for i, reply in arrived.items()}
         reports, weights = _read_replies(server_round, names, replies, config.run.round_timeout_s, runlog, run_id)
-        records = _log_stages(runlog, run_id, server_round, names, reports, ledgers, wall_started,
-                              config.workload.batch_size)
+        records = _log_stages(runlog, run_id, server_round, names, reports, ledgers, wall_started)
         eval_s = None
         if weights:
             session.weights = {k: np.asarray(v, np.float32) for part in weights.values() for k, v in part.items()}
@@ -177,8 +176,8 @@ def _read_replies(server_round: int, names: Sequence[str], replies: Mapping[str,
 
 
 def _log_stages(runlog: RunLog, run_id: str, server_round: int, names: Sequence[str],
-                reports: Mapping[str, Mapping[str, Any]], ledgers: Mapping[int, LedgerReader], wall_started: float,
-                batch_size: int) -> list[DatacenterRoundRecord]:
+                reports: Mapping[str, Mapping[str, Any]], ledgers: Mapping[int, LedgerReader],
+                wall_started: float) -> list[DatacenterRoundRecord]:
     """The round's rows of every stage (see the module docstring); its datacenter-round records."""
     start, end = min(float(r["started"]) for r in reports.values()), time.time()
     forward: dict[int, tuple[int, str]] = {}  # boundary → (bytes, source)
