@@ -6,6 +6,7 @@ torch, no network. (How close the gloo model comes to real runs is benchmarks/pi
 from __future__ import annotations
 
 import json
+import re
 from dataclasses import replace
 
 import pytest
@@ -13,7 +14,7 @@ from typer.testing import CliRunner
 
 from crossdc.cli import app
 from crossdc.experiment.links import LinkSpec
-from crossdc.strategies.pipeline import bubble_fraction, schedule_order
+from crossdc.strategies.pipeline import bubble_fraction, schedule_order, schedule_problem
 from crossdc.wan.cost_model import (
     CostModelError,
     StarPlan,
@@ -44,6 +45,17 @@ def equal_split(stages: int, microbatches: int, schedule: str = "gpipe", link: L
     plan = PipelinePlan(stage_params=[1e8] * stages, activation_bytes=activation_bytes, microbatches=microbatches,
                         step_time_s=step_time_s, links=uniform_links(stages, link), schedule=schedule)
     return replace(plan, **overrides) if overrides else plan
+
+
+def runnable_split(stages: int, microbatches: int, schedule: str, **kwargs: object) -> PipelinePlan | None:
+    """The equal split, or None once it is checked that the planner refuses it as the strategy does (1F1B with
+    fewer micro-batches than stages: the runtime cannot run it)."""
+    problem = schedule_problem(schedule, stages, microbatches)
+    if problem is None:
+        return equal_split(stages, microbatches, schedule, **kwargs)  # type: ignore[arg-type]
+    with pytest.raises(CostModelError, match=re.escape(problem)):
+        equal_split(stages, microbatches, schedule, **kwargs)  # type: ignore[arg-type]
+    return None
 
 
 # ----------------------------------------------------------------------------- the schedule
@@ -105,7 +117,10 @@ def test_free_links_and_equal_stages_give_the_textbook_bubble(transport: str, sc
                                                               microbatches: int) -> None:
     # gloo's handshake costs nothing on a free link: a sender waits for its receiver's notice only until the
     # receiver posts its receive, which it does before the op that needs the data
-    estimate = pipeline_step(equal_split(stages, microbatches, schedule, transport=transport))
+    plan = runnable_split(stages, microbatches, schedule, transport=transport)
+    if plan is None:
+        return
+    estimate = pipeline_step(plan)
     expected = (stages - 1) / (microbatches + stages - 1)
     assert estimate.bubble_fraction == pytest.approx(expected, rel=1e-12, abs=1e-15)
     assert estimate.theoretical_bubble_fraction == bubble_fraction(stages, microbatches) == expected
@@ -122,9 +137,9 @@ def test_gpipe_and_1f1b_take_the_same_step_over_free_links(transport: str, stage
                                                            backward_ratio: float) -> None:
     gpipe = pipeline_step(equal_split(stages, microbatches, "gpipe", backward_ratio=backward_ratio,
                                       transport=transport))
-    one_f_one_b = pipeline_step(equal_split(stages, microbatches, "1f1b", backward_ratio=backward_ratio,
-                                            transport=transport))
-    assert one_f_one_b.step_s == pytest.approx(gpipe.step_s, rel=1e-12)
+    plan = runnable_split(stages, microbatches, "1f1b", backward_ratio=backward_ratio, transport=transport)
+    if plan is not None:
+        assert pipeline_step(plan).step_s == pytest.approx(gpipe.step_s, rel=1e-12)
 
 
 @pytest.mark.parametrize("transport", TRANSPORTS)
@@ -229,7 +244,9 @@ def test_over_gloo_1f1b_pays_one_round_trip_per_micro_batch(microbatches: int) -
 def test_gloo_s_handshake_never_makes_a_step_shorter_than_streaming(schedule: str, stages: int,
                                                                     microbatches: int) -> None:
     for link, activation_bytes in (("continental", 4e6), ("transoceanic", 1e6), ("constrained", 1e5)):
-        plan = equal_split(stages, microbatches, schedule, link=link, activation_bytes=activation_bytes)
+        plan = runnable_split(stages, microbatches, schedule, link=link, activation_bytes=activation_bytes)
+        if plan is None:
+            return
         gloo = pipeline_step(plan)
         streaming = pipeline_step(replace(plan, transport="streaming"))
         assert gloo.step_s >= streaming.step_s - 1e-12
@@ -350,6 +367,17 @@ def test_the_verdict_points_at_1f1b_when_gpipe_waits_on_gloo_s_round_trips() -> 
     assert "1F1B would take 2.22 s per step here: GPipe posts each receive only when it needs it" in result.verdict
     # and 1F1B's verdict has nothing to point at
     assert "would take" not in compare(replace(plan, schedule="1f1b")).verdict
+
+
+def test_a_schedule_the_runtime_cannot_run_is_neither_planned_nor_suggested() -> None:
+    # 1F1B with fewer micro-batches than stages: refused as the strategy refuses it, and GPipe's verdict on 3 stages
+    # and 2 micro-batches does not point at it
+    with pytest.raises(CostModelError, match=re.escape(schedule_problem("1f1b", 3, 2) or "")):
+        equal_split(3, 2, "1f1b")
+    result = compare(equal_split(3, 2, "gpipe", link=resolve_link(bandwidth_mbps=1000, rtt_ms=100),
+                                 activation_bytes=4e6, step_time_s=2.0))
+    assert result.other_schedule == "1f1b" and result.other_schedule_step_s is None
+    assert "would take" not in result.verdict
 
 
 def test_the_verdict_points_at_gpipe_when_1f1b_waits_on_round_trips_over_a_streaming_transport() -> None:

@@ -67,6 +67,16 @@ def schedule_order(schedule: str, stage: int, stages: int, microbatches: int) ->
     return order + [("B", m) for m in range(microbatches - warmup, microbatches)]
 
 
+def schedule_problem(schedule: str, stages: int, microbatches: int) -> str | None:
+    """Why `schedule` cannot run `stages` stages on `microbatches` micro-batches (None when it can): 1F1B needs at
+    least as many micro-batches as stages (its warm-up and steady phases assume M ≥ S; torch's Schedule1F1B refuses
+    fewer)."""
+    if schedule == "1f1b" and microbatches < stages:
+        return (f"schedule '1f1b' needs at least as many micro-batches as stages ({microbatches} < {stages}); use more "
+                "micro-batches or 'gpipe'")
+    return None
+
+
 def bubble_fraction(stages: int, microbatches: int) -> float:
     """The share of a step a stage idles in the schedule's fill and drain, with equal stages and free transfers:
     (S − 1) / (M + S − 1), the same for GPipe and 1F1B (1F1B holds fewer activations, not fewer bubbles)."""
@@ -98,10 +108,9 @@ class Pipeline(Strategy):
         if run.batch_size % microbatches:
             raise StrategyError(f"strategy '{self.name}': microbatches = {microbatches} does not divide the batch size "
                                 f"{run.batch_size}")
-        stages = len(run.datacenters)
-        if self.params["schedule"] == "1f1b" and microbatches < stages:
-            raise StrategyError(f"strategy '{self.name}': schedule '1f1b' needs at least as many micro-batches as "
-                                f"stages ({microbatches} < {stages}); use more micro-batches or 'gpipe'")
+        problem = schedule_problem(str(self.params["schedule"]), len(run.datacenters), microbatches)
+        if problem is not None:
+            raise StrategyError(f"strategy '{self.name}': {problem}")
         self.layers()  # a malformed list fails here; whether it fits the model is checked when the model is built
 
     def layers(self) -> list[int] | None:

@@ -69,7 +69,7 @@ from dataclasses import dataclass, field, replace
 from typing import Literal
 
 from crossdc.experiment.links import LinkSpec
-from crossdc.strategies.pipeline import SCHEDULES, bubble_fraction, schedule_order
+from crossdc.strategies.pipeline import SCHEDULES, bubble_fraction, schedule_order, schedule_problem
 from crossdc.wan.cost_model import (
     BYTES_PER_FP32,
     CostModelError,
@@ -146,6 +146,9 @@ class PipelinePlan:
         _non_negative("optimizer time (s)", self.optimizer_s)
         if self.schedule not in SCHEDULES:
             raise CostModelError(f"unknown pipeline schedule '{self.schedule}'; known: {', '.join(SCHEDULES)}")
+        problem = schedule_problem(self.schedule, len(params), self.microbatches)
+        if problem is not None:
+            raise CostModelError(problem)
         _check_transport(self.transport)
         links = tuple(self.links)
         if len(links) != len(params) - 1:
@@ -464,7 +467,8 @@ class StrategyCost:
 class Comparison:
     """The pipeline split against data parallel and DiLoCo on the same datacenters (see `compare`).
 
-    other_schedule / other_schedule_step_s: the pipeline's step under the other schedule (GPipe for 1F1B and back).
+    other_schedule / other_schedule_step_s: the pipeline's step under the other schedule (GPipe for 1F1B and back;
+    None when that schedule cannot run this split, e.g. 1F1B with fewer micro-batches than stages).
     costs: pipeline, data parallel, DiLoCo, in that order. link: the link data parallel and DiLoCo are costed
     over (the slowest boundary's). activation_to_gradient_ratio = 2·M·activation_bytes / (4·P): what crosses a
     boundary per step in the pipeline over what data parallel all-reduces per step. winner: the name of the
@@ -475,7 +479,7 @@ class Comparison:
     link: LinkSpec
     pipeline: PipelineEstimate
     other_schedule: str
-    other_schedule_step_s: float
+    other_schedule_step_s: float | None
     data_parallel: SyncDPEstimate
     diloco: RoundEstimate
     costs: tuple[StrategyCost, ...]
@@ -508,7 +512,8 @@ def compare(plan: PipelinePlan, tau: int = DEFAULT_TAU) -> Comparison:
     _positive_int("tau", tau)
     pipe = pipeline_step(plan)
     other_schedule = next(name for name in SCHEDULES if name != plan.schedule)
-    other = pipeline_step(replace(plan, schedule=other_schedule))
+    other = (None if schedule_problem(other_schedule, plan.stages, plan.microbatches)
+             else pipeline_step(replace(plan, schedule=other_schedule)))
     stages, total = plan.stages, plan.total_params
     link = slowest_link(plan.boundary_links)
     share_s = plan.step_time_s / stages
@@ -537,7 +542,7 @@ def compare(plan: PipelinePlan, tau: int = DEFAULT_TAU) -> Comparison:
     feasible = [cost for cost in costs if cost.feasible]
     winner = min(feasible, key=lambda cost: cost.step_s) if feasible else None
     verdict = _verdict(plan, pipe, dp, costs, winner, ratio, tau)
-    if costs[0].feasible and other.step_s < 0.99 * pipe.step_s:
+    if costs[0].feasible and other is not None and other.step_s < 0.99 * pipe.step_s:
         verdict += f" {SCHEDULE_NAMES[other_schedule]} would take {other.step_s:.3g} s per step here"
         if plan.transport == "gloo" and plan.schedule == "gpipe":
             verdict += (": GPipe posts each receive only when it needs it, so every micro-batch's activation and then "
@@ -550,7 +555,7 @@ def compare(plan: PipelinePlan, tau: int = DEFAULT_TAU) -> Comparison:
         else:
             verdict += "."
     return Comparison(tau=tau, link=link, pipeline=pipe, other_schedule=other_schedule,
-                      other_schedule_step_s=other.step_s, data_parallel=dp, diloco=diloco, costs=costs,
+                      other_schedule_step_s=None if other is None else other.step_s, data_parallel=dp, diloco=diloco, costs=costs,
                       activation_to_gradient_ratio=ratio, winner=None if winner is None else winner.name,
                       verdict=verdict)
 
