@@ -41,29 +41,28 @@ def fail(message: str, code: int = 2) -> NoReturn:
     raise typer.Exit(code)
 
 
-def _user_errors() -> tuple[type[BaseException], ...]:
-    from crossdc.clients.channel import TrainerFailed, TrainerUnavailable
-    from crossdc.clients.enroll import EnrollmentError
-    from crossdc.clients.node_runner import NodeFailed
-    from crossdc.db.errors import DatabaseUnavailable
-    from crossdc.db.security import TokenError
-    from crossdc.deployment.superlink_control import ControlError
-    from crossdc.deployment.tls import CertificateError
-    from crossdc.experiment.config import ConfigError
-    from crossdc.experiment.processes import PortInUse
-    from crossdc.orchestration.local_run import RunFailed
-    from crossdc.strategies.base import StrategyError
-    from crossdc.workloads import WorkloadError
+#: the exceptions that are the user's to fix (one line, exit 2), by module: only those of modules already imported
+#: are looked up, since an error class can only have been raised once its module is loaded (a bad config then fails
+#: without importing torch and Flower just to name their errors)
+USER_ERRORS: dict[str, tuple[str, ...]] = {
+    "crossdc.experiment.config": ("ConfigError",),
+    "crossdc.strategies.base": ("StrategyError",),
+    "crossdc.workloads.errors": ("WorkloadError",),
+    "crossdc.experiment.processes": ("PortInUse",),
+    "crossdc.orchestration.local_run": ("RunFailed",),
+    "crossdc.db.errors": ("DatabaseUnavailable", "InvalidDatabaseUrl"),
+    "crossdc.clients.channel": ("TrainerFailed", "TrainerUnavailable"),
+    "crossdc.deployment.tls": ("CertificateError",),
+    "crossdc.clients.node_runner": ("NodeFailed",),
+    "crossdc.db.security": ("TokenError",),
+    "crossdc.clients.enroll": ("EnrollmentError",),
+    "crossdc.deployment.superlink_control": ("ControlError",),
+}
 
-    errors: list[type[BaseException]] = [ConfigError, StrategyError, WorkloadError, PortInUse, RunFailed,
-                                          DatabaseUnavailable, TrainerFailed, TrainerUnavailable, CertificateError, NodeFailed,
-                                          TokenError, EnrollmentError, ControlError]
-    try:
-        from crossdc.db.errors import InvalidDatabaseUrl
-        errors.append(InvalidDatabaseUrl)
-    except ImportError:
-        pass
-    return tuple(errors)
+
+def _user_errors() -> tuple[type[BaseException], ...]:
+    return tuple(getattr(sys.modules[module], name) for module, names in USER_ERRORS.items()
+                 if module in sys.modules for name in names)
 
 
 def _one_line(err: BaseException) -> str:
@@ -73,10 +72,11 @@ def _one_line(err: BaseException) -> str:
 
 def _load_and_check(config_path: Path) -> Any:
     """Parse the config and build what it names now, so a bad name fails before anything starts."""
-    from crossdc.experiment.builders import build_strategy, build_workload
     from crossdc.experiment.config import load_config
 
     config = load_config(config_path)
+    from crossdc.experiment.builders import build_strategy, build_workload
+
     build_strategy(config)
     build_workload(config)
     return config
@@ -162,9 +162,6 @@ def run(
     runs_dir: Path = typer.Option(Path("runs"), "--runs-dir", help="Where run folders (logs, trainer state) go."),
 ) -> None:
     """Run one experiment locally; prints the run id."""
-    from crossdc.db.engine import resolve_database_url, upgrade
-    from crossdc.orchestration.baselines import BASELINE_KINDS, gap_to, matching_baselines, run_baseline
-
     if detach and superlink is None:
         fail("--detach needs --superlink (a local run stops with this command)")
     if superlink_ca is not None and (superlink is None or not superlink_ca.is_file()):
@@ -173,9 +170,12 @@ def run(
         fail("--baseline runs in this process; it does not take --superlink")
     if engine not in ("deployment", "simulation"):
         fail(f"unknown engine '{engine}'; known: deployment, simulation")
+    config = _load_and_check(config_path)
+    from crossdc.db.engine import resolve_database_url, upgrade
+    from crossdc.orchestration.baselines import BASELINE_KINDS, gap_to, matching_baselines, run_baseline
+
     if baseline is not None and baseline not in BASELINE_KINDS:
         fail(f"unknown baseline '{baseline}'; known: {', '.join(BASELINE_KINDS)}")
-    config = _load_and_check(config_path)
     db_url = resolve_database_url(db)
     if baseline is not None:
         upgrade(db_url)
@@ -469,29 +469,33 @@ def plan(
         }))
         return
 
-    def gb(n: float) -> str:
-        return f"{n / 1e9:.3g} GB" if n >= 1e8 else f"{n / 1e6:.3g} MB"
-
-    def secs(t: float) -> str:
-        return f"{t:,.0f} s" if t >= 1000 else f"{t:.3g} s"
-
-    typer.echo(f"{params:.3g} parameters ({gb(4 * params)} fp32), {datacenters} datacenters, link {spec.name} "
+    typer.echo(f"{params:.3g} parameters ({_size(4 * params)} fp32), {datacenters} datacenters, link {spec.name} "
                f"({spec.bandwidth_mbps:g} Mbps, {spec.rtt_ms:g} ms RTT), step {step_time:g} s, tau {tau}")
     typer.echo(f"{'':<30}{'compute':>10}{'comm':>10}{'comm/comp':>11}{'utilisation':>13}")
-    typer.echo(f"{'sync data parallel, per step':<30}{secs(sync.compute_s):>10}{secs(sync.comm_s):>10}"
+    typer.echo(f"{'sync data parallel, per step':<30}{_secs(sync.compute_s):>10}{_secs(sync.comm_s):>10}"
                f"{sync.comm_comp_ratio:>11.3g}{100 * sync.utilisation:>12.1f}%")
-    typer.echo(f"{'crossdc, per round':<30}{secs(estimate.compute_s):>10}{secs(estimate.comm_s):>10}"
+    typer.echo(f"{'crossdc, per round':<30}{_secs(estimate.compute_s):>10}{_secs(estimate.comm_s):>10}"
                f"{estimate.comm_comp_ratio:>11.3g}{100 * estimate.utilisation:>12.1f}%")
-    typer.echo(f"crossdc round {secs(estimate.round_s)} = compute {secs(estimate.compute_s)} + down {gb(estimate.bytes_down)} "
-               f"({secs(one.transfer_down_s)}) + up {gb(estimate.bytes_up)} ({secs(one.transfer_up_s)}) + "
-               + (f"{estimate.round_trips} round trips ({secs(one.latency_s)})" if round_trips is not None else
-                  f"latency {secs(one.latency_s)} ({estimate.round_trips} round trips if Flower's two requests in flight "
+    typer.echo(f"crossdc round {_secs(estimate.round_s)} = compute {_secs(estimate.compute_s)} + down {_size(estimate.bytes_down)} "
+               f"({_secs(one.transfer_down_s)}) + up {_size(estimate.bytes_up)} ({_secs(one.transfer_up_s)}) + "
+               + (f"{estimate.round_trips} round trips ({_secs(one.latency_s)})" if round_trips is not None else
+                  f"latency {_secs(one.latency_s)} ({estimate.round_trips} round trips if Flower's two requests in flight "
                   f"went in lock-step; they overlap the transfers)"))
-    typer.echo(f"the same {tau} steps in sync data parallel: {secs(tau * sync.step_s)}")
+    typer.echo(f"the same {tau} steps in sync data parallel: {_secs(tau * sync.step_s)}")
     typer.echo(f"tau for comm/comp <= {target_ratio:g} at this compression: {tau_needed}")
     both = "impossible (latency alone exceeds the target)" if compression_both is None else f"{compression_both:.4g}x"
     up = "impossible (the downlink and latency alone exceed the target)" if compression_up is None else f"{compression_up:.4g}x"
     typer.echo(f"compression for comm/comp <= {target_ratio:g} at tau {tau}: {both} both ways; uplink only: {up}")
+
+
+def _size(n: float) -> str:
+    """A byte count for a table: GB from 1e9 bytes, MB below."""
+    return f"{n / 1e9:.3g} GB" if n >= 1e9 else f"{n / 1e6:.3g} MB"
+
+
+def _secs(t: float) -> str:
+    """Seconds for a table: whole seconds with separators from 1,000 s, three significant digits below."""
+    return f"{t:,.0f} s" if t >= 1000 else f"{t:.3g} s"
 
 
 def _plan_pipeline(stage_params: str | None, activation_bytes: float | None, microbatches: int | None, schedule: str,
@@ -535,27 +539,21 @@ def _plan_pipeline(stage_params: str | None, activation_bytes: float | None, mic
         }))
         return
 
-    def size(n: float) -> str:
-        return f"{n / 1e9:.3g} GB" if n >= 1e9 else f"{n / 1e6:.3g} MB"
-
-    def secs(t: float) -> str:
-        return f"{t:,.0f} s" if t >= 1000 else f"{t:.3g} s"
-
     typer.echo(f"pipeline split of {split.total_params:.3g} parameters into {pipe.stages} stages "
                f"({' + '.join(f'{count:.3g}' for count in counts)}), {microbatches} micro-batches of "
-               f"{size(activation_bytes)}, link {spec.name} ({spec.bandwidth_mbps:g} Mbps, {spec.rtt_ms:g} ms RTT) at "
+               f"{_size(activation_bytes)}, link {spec.name} ({spec.bandwidth_mbps:g} Mbps, {spec.rtt_ms:g} ms RTT) at "
                f"every boundary, step {step_time:g} s on one datacenter")
     typer.echo(f"{'':<22}{'step':>10}{'WAN bytes/step':>16}{'exposed comm':>14}{'params/DC':>11}")
     for cost in result.costs:
-        typer.echo(f"{cost.name:<22}{secs(cost.step_s):>10}{size(cost.wan_bytes_per_step):>16}"
-                   f"{secs(cost.exposed_comm_s):>14}{cost.params_per_datacenter:>11.3g}"
+        typer.echo(f"{cost.name:<22}{_secs(cost.step_s):>10}{_size(cost.wan_bytes_per_step):>16}"
+                   f"{_secs(cost.exposed_comm_s):>14}{cost.params_per_datacenter:>11.3g}"
                    + ("" if cost.feasible else f"  ({cost.note})"))
-    typer.echo(f"pipeline: {secs(pipe.free_links_step_s)} over free links + {secs(pipe.exposed_comm_s)} the WAN adds; "
+    typer.echo(f"pipeline: {_secs(pipe.free_links_step_s)} over free links + {_secs(pipe.exposed_comm_s)} the WAN adds; "
                f"stages idle {100 * pipe.bubble_fraction:.1f}% (schedule alone: "
                f"{100 * pipe.theoretical_bubble_fraction:.1f}%); per micro-batch and boundary "
-               f"{secs(pipe.transfer_s[0])} on the wire + {secs(pipe.latency_s[0])} one way")
+               f"{_secs(pipe.transfer_s[0])} on the wire + {_secs(pipe.latency_s[0])} one way")
     typer.echo(f"data parallel and DiLoCo: {pipe.stages} datacenters with the whole model, each computing 1/{pipe.stages} "
-               f"of the batch ({secs(step_time / pipe.stages)} per step)")
+               f"of the batch ({_secs(step_time / pipe.stages)} per step)")
     typer.echo(f"verdict: {result.verdict}")
 
 

@@ -7,6 +7,7 @@ import json
 import math
 import statistics
 import time
+from types import SimpleNamespace
 from typing import Any
 
 import numpy as np
@@ -199,7 +200,8 @@ def test_a_slow_datacenter_takes_one_over_speed_times_as_long_and_counts_it_as_c
     slow.train_steps(20)  # warm-up: the pace learns a step's time
     slept.clear()
     result = slow.train_steps(200)
-    step = statistics.median(slow.hot_step_s)
+    step = slow.paced_step_s()
+    assert 0.0 < step <= statistics.median(slow.hot_step_s)  # a low quantile: a busy host's slow steps are not multiplied
     # the sleeps are part of compute_s; how large a share they are depends on how busy the machine is (a step
     # that was descheduled counts as a long step), so only the pace itself is asserted: 1/s = 10 × each step,
     # where the same steps without pacing take 200 × step
@@ -207,6 +209,30 @@ def test_a_slow_datacenter_takes_one_over_speed_times_as_long_and_counts_it_as_c
     assert 0.7 * 10 * 200 * step <= result.compute_s
     with pytest.raises(ValueError, match="speed"):
         local_training.LocalTrainer(workload, workload.shard("a"), 16, "adamw", 0.01, seed=1, speed=0.0)
+
+
+def test_a_very_slow_datacenter_keeps_measuring_its_steps_on_warm_caches(monkeypatch: pytest.MonkeyPatch) -> None:
+    """At speed 0.001 one step's pace (999 × a step) is past the sleep quantum: were the trainer to sleep after every
+    step, no step would run on warm caches and the pace would keep the first steps' measure for good (a trainer that
+    started on a busy machine would stay several times slower than configured). The trainer's clock is moved on by
+    its sleeps instead of sleeping (each step's own time stays real), so the test takes no pace's worth of time."""
+    doc = {"run": {"rounds": 1}, "workload": {"dataset": "synthetic", "model": "linear", "batch_size": 16},
+           "strategy": {"name": "fedavg"}, "datacenters": [{"name": "a"}]}
+    workload = build_workload(parse_config(doc))
+    slept = [0.0]
+    real_clock = time.perf_counter
+
+    def sleep(seconds: float) -> None:
+        slept[0] += seconds
+
+    monkeypatch.setattr(local_training, "time", SimpleNamespace(perf_counter=lambda: real_clock() + slept[0], sleep=sleep))
+    slow = local_training.LocalTrainer(workload, workload.shard("a"), 16, "adamw", 0.01, seed=1, speed=0.001)
+    slow.train_steps(3 * local_training.STEPS_BETWEEN_SLEEPS)
+    assert slept[0] > 0.0  # it paced
+    # after each sleep the first step is cold and the next ones (until it is STEPS_BETWEEN_SLEEPS steps ahead) are
+    # measured: pausing after every step would measure none
+    assert len(slow.hot_step_s) >= local_training.STEPS_BETWEEN_SLEEPS, list(slow.hot_step_s)
+    assert slow.paced_step_s() > 0.0
 
 
 # -- config and strategy errors -----------------------------------------------------------------

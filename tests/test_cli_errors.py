@@ -298,3 +298,17 @@ def test_db_upgrade_unreachable_postgres_is_one_line(tmp_path: Path) -> None:
 @pytest.mark.timeout(60)
 def test_resume_of_an_unknown_run_is_one_line(tmp_path: Path) -> None:
     assert_one_error_line(cli(["resume", "abc", "--db", f"sqlite:///{tmp_path / 'r.db'}"], tmp_path), "run 'abc' is not in")
+
+
+def test_every_user_error_the_cli_names_exists() -> None:
+    """The CLI looks its user errors up by module and name (so that a bad config fails without importing torch): a
+    renamed or moved class would silently turn its one-line message into an internal error."""
+    import importlib
+
+    from crossdc.cli import USER_ERRORS, _user_errors
+
+    for module, names in USER_ERRORS.items():
+        loaded = importlib.import_module(module)
+        for name in names:
+            assert issubclass(getattr(loaded, name), Exception), (module, name)
+    assert len(_user_errors()) == sum(len(names) for names in USER_ERRORS.values())

@@ -145,7 +145,7 @@ def test_simulation_engine_runs_the_same_apps(tmp_path: Path) -> None:
 WAN_CONFIG = """
 [run]
 name = "wan-fault"
-rounds = 10
+rounds = 20
 seed = 0
 min_replies = 1
 round_timeout_s = 40
@@ -186,7 +186,9 @@ def wan_fault_run(tmp_path_factory: pytest.TempPathFactory) -> dict:
     round is a "Node Unavailable" failure instead of a timeout. A silence that long may also outlast Flower's node
     heartbeat (about 20 s apart,
     offline after 60 s without one): the SuperLink then fails the next rounds' messages to eu-west at once, until its
-    heartbeat gets through again. Ten rounds leave room for both ways back."""
+    heartbeat gets through again, up to half a minute after the cut. Twenty rounds leave room for both ways back: the
+    rounds that fail at once take only us-east's time (about 3 s on an idle machine), so ten could all be over before
+    that heartbeat."""
     tmp = tmp_path_factory.mktemp("wan")
     (tmp / "wan.toml").write_text(WAN_CONFIG)
     db_url = f"sqlite:///{tmp / 'wan.db'}"

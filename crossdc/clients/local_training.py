@@ -7,7 +7,6 @@ between calls, so several short calls equal one long call.
 
 from __future__ import annotations
 
-import statistics
 import time
 from collections import deque
 from collections.abc import Mapping
@@ -23,6 +22,11 @@ from crossdc.workloads import Workload, load_model_weights, make_optimizer, mode
 
 #: the shortest sleep of the speed emulation (see LocalTrainer): the trainer runs ahead of its pace until this much
 SLEEP_QUANTUM_S = 0.2
+#: the speed emulation sleeps only after this many paced steps in a row (see LocalTrainer), so that every run of steps
+#: between two sleeps has steps on warm caches to measure
+STEPS_BETWEEN_SLEEPS = 3
+#: which quantile of recent undisturbed step times the speed emulation takes as a step's time (see LocalTrainer)
+PACED_STEP_QUANTILE = 0.1
 
 
 @dataclass(frozen=True)
@@ -78,10 +82,13 @@ class LocalTrainer:
 
     `speed` s in (0, 1] (the datacenter's ``speed`` in the config) *emulates* a slower datacenter: the steps are
     paced so that each takes 1/s times a step's measured time on the wall clock — the trainer sleeps whenever it
-    is at least SLEEP_QUANTUM_S ahead of that pace, and at the end of the call until the pace is met; the sleep
-    is part of the reported ``compute_s``. Nothing else changes (same steps, same maths). A step's time is the
-    median of recent steps that did not follow a pause (:attr:`hot_step_s`): a step right after a sleep runs on
-    cold caches and can take several times longer, and multiplying that would emulate a far slower datacenter.
+    is ahead of that pace by at least SLEEP_QUANTUM_S and by STEPS_BETWEEN_SLEEPS paced steps, and at the end of the
+    call until the pace is met; the sleep
+    is part of the reported ``compute_s``. Nothing else changes (same steps, same maths). A step's time is
+    :meth:`paced_step_s`, a low quantile of recent steps that did not follow a pause (:attr:`hot_step_s`): a step
+    right after a sleep runs on cold caches and can take several times longer, and a step that shared its CPU with
+    other work on a busy host takes longer too; multiplying either by 1/s would emulate a far slower datacenter than
+    configured, and make the emulated speed depend on the host's load (1/s times its noise).
     With W > 1 ranks only rank 0 sleeps: the others wait for it in the next step's gradient all-reduce, so the
     whole group runs at the emulated speed (were every rank to sleep, each would also stretch the time it waited
     for the others' sleep, and the sleeps would grow without bound).
@@ -167,9 +174,12 @@ class LocalTrainer:
                 took = time.perf_counter() - step_started
                 if not woke:
                     self.hot_step_s.append(took)
-                deadline += (1.0 + self.slowdown) * (statistics.median(self.hot_step_s) if self.hot_step_s else took)
+                paced_s = (1.0 + self.slowdown) * (self.paced_step_s() if self.hot_step_s else took)
+                deadline += paced_s
                 ahead = deadline - time.perf_counter()
-                woke = ahead >= SLEEP_QUANTUM_S
+                # were it to sleep after every step (1/s times a step ≥ the quantum), no step would run on warm
+                # caches, and the pace would keep the first steps' measure for good
+                woke = ahead >= max(SLEEP_QUANTUM_S, STEPS_BETWEEN_SLEEPS * paced_s)
                 if woke:
                     time.sleep(ahead)
         if self.slowdown > 0.0 and (ahead := deadline - time.perf_counter()) > 0.0:
@@ -182,6 +192,14 @@ class LocalTrainer:
             dist.all_reduce(summed)
             mean_loss = float(summed) / self.all_ranks
         return StepsResult(steps=steps, mean_loss=mean_loss, num_examples=examples, compute_s=time.perf_counter() - started)
+
+    def paced_step_s(self) -> float:
+        """The step time the speed emulation multiplies: the PACED_STEP_QUANTILE quantile of :attr:`hot_step_s`
+        (0.0 before the first such step), a step's time on this host when nothing else ran on its CPU."""
+        if not self.hot_step_s:
+            return 0.0
+        ordered = sorted(self.hot_step_s)
+        return ordered[int(PACED_STEP_QUANTILE * (len(ordered) - 1))]
 
     def state_dict(self) -> dict[str, Any]:
         """Optimizer state and data position (what must survive a restart), not the weights."""

@@ -32,7 +32,7 @@ import time
 from collections.abc import Mapping
 from multiprocessing.connection import Listener
 from pathlib import Path
-from typing import Any, TypeVar
+from typing import TYPE_CHECKING, Any, TypeVar
 
 import numpy as np
 import torch
@@ -45,7 +45,6 @@ from crossdc.clients.gossip_replica import GossipReplica, dense_payload
 from crossdc.clients.gossip_transport import GossipTransport, exchange_all
 from crossdc.clients.local_round import run_local_round
 from crossdc.clients.local_training import LocalTrainer
-from crossdc.clients.pipeline_stage import StageFailed, StageRunner, StageSettings
 from crossdc.clients.state_store import StateStoreError
 from crossdc.clients.streaming_replica import SentUpdate, StreamingReplica, sent_answer
 from crossdc.clients.streaming_worker import StreamingFailed, StreamingWorker
@@ -64,6 +63,9 @@ from crossdc.strategies.pipeline import Pipeline, stage_blocks
 from crossdc.strategies.streaming_diloco import StreamingDiLoCo
 from crossdc.workloads import model_weights
 from crossdc.workloads.stages import model_blocks
+
+if TYPE_CHECKING:  # a pipeline stage imports torch.distributed.pipelining (~2 s): only a stage's trainer does
+    from crossdc.clients.pipeline_stage import StageRunner
 
 log = logging.getLogger("crossdc.trainer")
 
@@ -207,6 +209,8 @@ class DatacenterTrainer:
         weights. The first message of an attempt builds the stage: on the run's initial weights, on the state saved
         after the checkpointed round a resumed attempt continues from, or (a trainer restarted between rounds) on
         the state saved after the round before."""
+        from crossdc.clients.pipeline_stage import StageFailed
+
         request, refusal = self._read(PipelineRequest, message, (Pipeline, "run a pipeline stage"))
         if refusal is not None:
             return refusal
@@ -242,6 +246,8 @@ class DatacenterTrainer:
 
     def _start_stage(self, request: PipelineRequest) -> None:
         """This datacenter's stage for the attempt `request` belongs to (see :meth:`_pipeline`)."""
+        from crossdc.clients.pipeline_stage import StageRunner, StageSettings
+
         strategy = self.strategy
         assert isinstance(strategy, Pipeline)
         if self.world > 1:
