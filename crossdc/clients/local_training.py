@@ -83,8 +83,8 @@ class LocalTrainer:
     `speed` s in (0, 1] (the datacenter's ``speed`` in the config) *emulates* a slower datacenter: the steps are
     paced so that each takes 1/s times a step's measured time on the wall clock — the trainer sleeps whenever it
     is ahead of that pace by at least SLEEP_QUANTUM_S and by STEPS_BETWEEN_SLEEPS paced steps, and at the end of the
-    call until the pace is met; the sleep
-    is part of the reported ``compute_s``. Nothing else changes (same steps, same maths). A step's time is
+    call until the pace is met; the sleep is part of the reported ``compute_s``. Nothing else changes (same steps,
+    same maths). A step's time is
     :meth:`paced_step_s`, a low quantile of recent steps that did not follow a pause (:attr:`hot_step_s`): a step
     right after a sleep runs on cold caches and can take several times longer, and a step that shared its CPU with
     other work on a busy host takes longer too; multiplying either by 1/s would emulate a far slower datacenter than

@@ -329,6 +329,11 @@ class LocalRun:
         log.warning("coordinator killed (ServerApp pids %s), away for %.0f s", pids, away_s)
         return pids
 
+    def end_coordinator_absence(self) -> None:
+        """Let a coordinator killed by :meth:`kill_coordinator` come back now rather than after its `away_s`: a gossip
+        run submits it again at its next look."""
+        self.coordinator_away_until = time.monotonic()
+
     def _restart_coordinator(self) -> int:
         """Submit the run's app again as its next attempt (see the module docstring); Flower's new run id."""
         self.coordinator_restarts += 1
