@@ -25,7 +25,7 @@ from crossdc.db.queries import list_async_updates
 from crossdc.experiment.builders import build_workload, initial_model
 from crossdc.experiment.config import load_config, parse_config
 from crossdc.orchestration.local_run import LocalRunOptions, LocalRunResult, run_local
-from crossdc.workloads import evaluate, model_weights
+from crossdc.workloads import evaluate, load_model_weights, model_weights
 
 #: these tests assert paces and deadlines on the wall clock: they run alone, after the parallel part of the suite
 pytestmark = pytest.mark.serial
@@ -114,6 +114,13 @@ def test_validation_loss_falls_on_non_iid_data(fedasync_run: dict[str, Any]) -> 
     assert evaluated[-1]["val_loss"] < evaluated[0]["val_loss"] < initial_loss
     final = np.load(fedasync_run["result"].run_dir / "final-weights.npz")
     assert set(final.files) == set(model_weights(model)) and all(np.all(np.isfinite(final[n])) for n in final.files)
+    # the best evaluated model is kept beside the final one (run.keep_best): the version with the lowest loss
+    best = min(evaluated, key=lambda r: r["val_loss"])
+    summary = fedasync_run["result"].summary
+    assert (summary["best_round"], summary["best_val_loss"]) == (best["round"], pytest.approx(best["val_loss"]))
+    with np.load(fedasync_run["result"].run_dir / "best-weights.npz") as npz:
+        load_model_weights(model, {name: npz[name] for name in npz.files})
+    assert evaluate(workload, model)[0] == pytest.approx(best["val_loss"], rel=1e-6)
 
 
 @pytest.mark.timeout(300)
@@ -128,6 +135,36 @@ def test_run_log_of_an_async_run(fedasync_run: dict[str, Any]) -> None:
     assert sum(r["bytes_up"] for r in rounds) == sum(r["bytes_up"] for r in dc_rounds)
     summary = fedasync_run["result"].summary
     assert summary["updates"]["applied"] == VERSIONS and summary["updates"]["discarded"] >= 1
+
+
+@pytest.mark.timeout(300)
+def test_waiting_instead_of_discarding_applies_every_slow_update(tmp_path: Path) -> None:
+    doc = copy.deepcopy(FEDASYNC_DOC)
+    doc["strategy"]["params"]["staleness_policy"] = "wait"
+    doc["run"]["rounds"] = versions = 14  # the slow datacenter's task spans ~5 versions: it replies 2-3 times
+    db_url = f"sqlite:///{tmp_path / 'wait.db'}"
+    result = run_local(parse_config(doc), LocalRunOptions(db_url=db_url, engine="simulation", runs_root=tmp_path / "runs"))
+    logged = read_run(db_url, result.run_id)
+    engine = make_engine(db_url)
+    try:
+        updates = list_async_updates(engine, result.run_id)
+    finally:
+        engine.dispose()
+    assert logged["run"]["status"] == "finished"
+    # the same run as the fixture's, which discards the slow datacenter's updates: here none is discarded
+    assert [u["status"] for u in updates] == ["applied"] * versions
+    assert all(0 <= u["staleness"] <= MAX_STALENESS for u in updates)
+    per_dc = Counter(u["datacenter"] for u in updates)
+    assert per_dc["slow"] >= 2, per_dc
+    # the fast datacenters were held back for the slow one, and each hold ended (with the seconds it lasted)
+    events = logged["events"]
+    held = [e for e in events if e["kind"] == "held"]
+    released = [e for e in events if e["kind"] == "released"]
+    assert held and {e["datacenter"] for e in held} <= {"fast-a", "fast-b"}
+    assert all(e["detail"]["max_staleness"] == MAX_STALENESS and e["detail"]["oldest_in_flight"] is not None for e in held)
+    assert released and all(e["detail"]["waited_s"] > 0 for e in released)
+    assert not [e for e in events if e["kind"] == "discarded"]
+    assert result.summary["updates"] == {"applied": versions, "discarded": 0, "unusable": 0}
 
 
 def _final_weights(result: LocalRunResult) -> dict[str, np.ndarray]:

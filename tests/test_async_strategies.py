@@ -20,6 +20,7 @@ from crossdc.experiment.builders import build_strategy, build_workload
 from crossdc.experiment.config import ConfigError, parse_config
 from crossdc.federation.session import merge_rows
 from crossdc.strategies import staleness as st
+from crossdc.strategies.asynchronous import dispatch_keeps_bound
 from crossdc.strategies.base import ClientUpdate, RunInfo, StrategyError
 from crossdc.strategies.fedasync import FedAsync, fedasync_step
 from crossdc.strategies.fedbuff import FedBuff, fedbuff_step
@@ -151,6 +152,28 @@ def test_updates_beyond_max_staleness_are_not_admitted() -> None:
         s.step(arrays(0.0))
 
 
+def test_dispatch_keeps_bound_assumes_every_other_task_arrives_first() -> None:
+    # FedAsync (K = 1), bound 4: the oldest task in flight is from version 10, the model is at 12
+    assert dispatch_keeps_bound(12, [10], 0, 1, 4)  # worst case: the new task lands first, 13 − 10 = 3
+    assert dispatch_keeps_bound(12, [10, 12], 0, 1, 4)  # two land first: 14 − 10 = 4, just within
+    assert not dispatch_keeps_bound(12, [10, 12, 12], 0, 1, 4)  # three: 15 − 10 = 5
+    assert not dispatch_keeps_bound(14, [10], 0, 1, 4)  # already at the bound: one more step is too many
+    # FedBuff (K = 4): three updates in the buffer and one new task make a step before the oldest lands
+    assert not dispatch_keeps_bound(14, [10], 3, 4, 4)
+    assert dispatch_keeps_bound(14, [10], 2, 4, 4)  # (2 + 1) // 4 = 0 steps: the oldest lands at staleness 4
+    assert dispatch_keeps_bound(13, [10, 13], 3, 4, 4)  # (3 + 2) // 4 = 1: 14 − 10 = 4
+    # nothing in flight: nothing can become stale; bound 0 then still lets one task out at a time
+    assert dispatch_keeps_bound(99, [], 5, 1, 0)
+    assert not dispatch_keeps_bound(3, [3], 0, 1, 0)
+    with pytest.raises(ValueError, match="buffer size"):
+        dispatch_keeps_bound(0, [0], 0, 0, 4)
+
+
+def test_the_staleness_policy_defaults_to_discard() -> None:
+    assert not strategy(FedAsync).waits_for_stragglers
+    assert strategy(FedBuff, staleness_policy="wait").waits_for_stragglers
+
+
 def test_asynchronous_strategies_refuse_the_synchronous_loop() -> None:
     with pytest.raises(StrategyError, match="asynchronous"):
         strategy(FedBuff).aggregate(1, arrays(0.0), [update("a", 1.0)], arrays(1.0))
@@ -263,6 +286,7 @@ def test_speed_is_parsed_and_bounded() -> None:
     ("fedbuff", {"buffer_size": -2}, "parameter 'buffer_size' must be ≥ 0"),
     ("fedbuff", {"max_staleness": 0, "buffer_size": 3}, "buffer_size = 3 can never fill with 2 datacenters"),
     ("fedasync", {"buffer_size": 2}, "unknown parameter 'buffer_size' for strategy 'fedasync'"),
+    ("fedbuff", {"staleness_policy": "block"}, "parameter 'staleness_policy' must be one of discard, wait"),
 ])
 def test_bad_async_parameters_are_one_line_strategy_errors(name: str, params: dict[str, Any], words: str) -> None:
     with pytest.raises(StrategyError) as err:
@@ -286,7 +310,8 @@ def test_the_new_strategies_are_registered_and_listed() -> None:
 
     assert strategy_class("fedasync") is FedAsync and strategy_class("fedbuff") is FedBuff
     rows = {r["name"]: r for r in describe_strategies()}
-    assert set(rows["fedasync"]["parameters"]) == {"lr", "max_staleness", "staleness", "staleness_exponent", "hinge_after"}
+    assert set(rows["fedasync"]["parameters"]) == {"lr", "max_staleness", "staleness_policy", "staleness",
+                                                   "staleness_exponent", "hinge_after"}
     assert set(rows["fedbuff"]["parameters"]) == set(rows["fedasync"]["parameters"]) | {"buffer_size"}
     listed = subprocess.run([CROSSDC, "strategies", "list", "--json"], capture_output=True, text=True, timeout=60)
     names = {r["name"]: r for r in json.loads(listed.stdout)}

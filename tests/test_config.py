@@ -84,7 +84,7 @@ def test_minimal_config_parses_with_documented_defaults() -> None:
     assert isinstance(config, ExperimentConfig)
     assert config.run.rounds == 3
     assert config.run.seed == 0 and config.run.eval_every == 1 and config.run.min_replies == 0
-    assert config.run.name == "crossdc-run"
+    assert config.run.name == "crossdc-run" and config.run.keep_best
     assert config.workload.dataset == "synthetic" and config.workload.model == "linear"
     assert config.workload.partition == {"kind": "iid"}
     assert config.workload.batch_size == 32 and config.workload.optimizer == "adamw" and config.workload.lr == 1e-3
@@ -303,6 +303,7 @@ def test_wrong_types(path: str, value: Any, key: str, kind: str) -> None:
         ("run.rounds", 0, "run.rounds"),
         ("run.rounds", -1, "run.rounds"),
         ("run.eval_every", 0, "run.eval_every"),
+        ("run.keep_best", "yes", "run.keep_best"),
         ("run.min_replies", -1, "run.min_replies"),
         ("run.round_timeout_s", 0, "run.round_timeout_s"),
         ("workload.batch_size", 0, "workload.batch_size"),

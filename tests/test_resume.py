@@ -74,8 +74,11 @@ def test_killed_coordinator_resumes_to_the_same_model(tmp_path: Path) -> None:
                                     "--port", str(free_port()), "--runs-dir", str(tmp_path / "reference-runs")],
                                    capture_output=True, text=True, timeout=400, env=env)
         assert reference.returncode == 0, reference.stderr[-3000:]
-        reference_id = json.loads(reference.stdout.strip().splitlines()[-1])["run_id"]
+        reference_summary = json.loads(reference.stdout.strip().splitlines()[-1])
+        reference_id = reference_summary["run_id"]
         expected = np.load(tmp_path / "reference-runs" / reference_id / "final-weights.npz")
+        expected_best = np.load(tmp_path / "reference-runs" / reference_id / "best-weights.npz")
+        assert 1 <= reference_summary["best_round"] <= ROUNDS
 
         # the same run, its coordinator SIGKILLed once round 5 is logged (checkpoints of rounds 2 and 4 exist)
         runs = tmp_path / "runs"
@@ -103,6 +106,12 @@ def test_killed_coordinator_resumes_to_the_same_model(tmp_path: Path) -> None:
         assert sorted(got.files) == sorted(expected.files)
         for name in expected.files:
             np.testing.assert_array_equal(got[name], expected[name], err_msg=name)
+        # the best model too: what the first attempt found best after the checkpoint was rolled back with its rounds
+        assert (summary["best_round"], summary["best_val_loss"]) == (reference_summary["best_round"],
+                                                                      reference_summary["best_val_loss"])
+        got_best = np.load(runs / run_id / "best-weights.npz")
+        for name in expected_best.files:
+            np.testing.assert_array_equal(got_best[name], expected_best[name], err_msg=name)
         logged = read_run(db_url, run_id)
         assert logged["run"]["status"] == "finished"
         assert [r["round"] for r in logged["rounds"]] == list(range(1, ROUNDS + 1))

@@ -55,6 +55,8 @@ class RunSection:
     round_timeout_s: float = 3600.0
     #: adaptive round deadline (`run.deadline`); None: the fixed `round_timeout_s`
     deadline: DeadlinePolicy | None = None
+    #: keep the evaluated global model with the lowest validation loss (best-weights.npz) beside the final one
+    keep_best: bool = True
 
 
 @dataclass(frozen=True)
@@ -199,7 +201,8 @@ _LINK_KEYS = frozenset({"profile", "bandwidth_mbps", "rtt_ms", "jitter_ms", "los
 CONFIG_KEYS: dict[str, frozenset[str]] = {
     "": frozenset({"run", "workload", "strategy", "datacenters", "links", "link_faults", "compression", "security",
                    "checkpoint"}),
-    "run": frozenset({"name", "rounds", "seed", "eval_every", "min_replies", "round_timeout_s", "deadline"}),
+    "run": frozenset({"name", "rounds", "seed", "eval_every", "min_replies", "round_timeout_s", "deadline",
+                      "keep_best"}),
     "run.deadline": frozenset({"floor_s", "ceiling_s", "k_mad", "window", "min_history"}),
     "workload": frozenset({"dataset", "model", "model_args", "partition", "batch_size", "optimizer", "lr", "precision"}),
     "workload.partition": frozenset({"kind", "alpha"}),
@@ -286,11 +289,13 @@ def _parse_run(doc: dict[str, Any]) -> RunSection:
     _positive(min_replies, "run.min_replies", allow_zero=True)
     timeout = _typed(t, "round_timeout_s", float, "run.", 3600.0)
     _positive(timeout, "run.round_timeout_s")
+    keep_best = _typed(t, "keep_best", bool, "run.", True)
     deadline = _parse_deadline(t["deadline"]) if "deadline" in t else None
     if deadline is not None and "round_timeout_s" in t:
         raise ConfigError("give 'run.deadline' (adaptive) or 'run.round_timeout_s' (fixed), not both")
     return RunSection(name=name, rounds=rounds, seed=seed, eval_every=eval_every, min_replies=min_replies,
-                      round_timeout_s=deadline.ceiling_s if deadline else timeout, deadline=deadline)
+                      round_timeout_s=deadline.ceiling_s if deadline else timeout, deadline=deadline,
+                      keep_best=keep_best)
 
 
 def _parse_deadline(value: Any) -> DeadlinePolicy:

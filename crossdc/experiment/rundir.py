@@ -78,6 +78,11 @@ class RunDir:
     def final_weights(self) -> Path:
         return self.path / "final-weights.npz"
 
+    @property
+    def best_weights(self) -> Path:
+        """The evaluated global model with the lowest validation loss so far (``run.keep_best``)."""
+        return self.path / "best-weights.npz"
+
     def create(self, settings: dict[str, Any]) -> None:
         """Make the folders, write the settings and a fresh trainer auth key (mode 0600)."""
         for folder in (self.path, self.state_root, self.logs, self.path / "trainers"):

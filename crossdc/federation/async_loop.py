@@ -16,6 +16,13 @@ Promises:
   ``max_staleness = 0``, a datacenter whose update waits in FedBuff's buffer gets its next task when the buffer
   is applied (a second task from the same version could only race the flush; with K = number of datacenters
   this makes FedBuff exactly synchronous FedAvg).
+- **Waiting instead of discarding.** Under ``staleness_policy = "wait"`` a datacenter whose reply came is sent its
+  next task only while that cannot make any task in flight arrive staler than ``max_staleness``
+  (crossdc.strategies.asynchronous.dispatch_keeps_bound, the worst order of arrivals assumed); otherwise it is
+  held (a ``held`` event) and sent its task as soon as the replies in flight allow (a ``released`` event with the
+  seconds it waited). No update is then discarded for staleness; the price is that fast datacenters wait for the
+  slowest when they run more than ``max_staleness`` versions ahead of it, and for a dead one until its task times
+  out.
 - **Task numbers.** A task carries the datacenter's own task number as its ``round``: 1, 2, 3, … per
   datacenter, strictly increasing and never reused (also after a timeout), which is what the datacenter's
   trainer and its state store check (a message older than the last task trained there is refused). The
@@ -65,7 +72,7 @@ from crossdc.federation.grid_io import POLL_INTERVAL_S, FederationError, Reply, 
 from crossdc.federation.session import merge_rows, update_cosines
 from crossdc.federation.sync_loop import MAX_ROUNDS_WITHOUT_UPDATES, start_session
 from crossdc.protocol import payload_bytes
-from crossdc.strategies.asynchronous import AsyncStrategy, Submitted
+from crossdc.strategies.asynchronous import AsyncStrategy, Submitted, dispatch_keeps_bound
 from crossdc.strategies.base import StrategyError
 
 log = logging.getLogger("crossdc.async_federation")
@@ -107,7 +114,9 @@ class AsyncFederation:
         self.seq = 0
         self.tasks_sent = {name: 0 for name in self.nodes}
         self.in_flight: dict[str, Task] = {}  # by message id
-        self.held: list[str] = []  # datacenters waiting for the next version (max_staleness = 0)
+        #: datacenters with no task, waiting to be sent one (FedBuff's max_staleness = 0, or staleness_policy wait)
+        self.held: list[str] = []
+        self.held_since: dict[str, float] = {}  # by datacenter, under staleness_policy wait: when it was held
         self.rows: list[tuple[str, DatacenterRoundRecord]] = []  # the current version's datacenter-round records
         self.row_at: dict[int, int] = {}  # an update's sequence number → its record's index in self.rows
         self.bytes_down_now = 0  # bytes of the tasks sent at the current version
@@ -161,10 +170,41 @@ class AsyncFederation:
             self.step()
         if self.version >= self.config.run.rounds:
             return
-        if self.strategy.max_staleness == 0 and self.strategy.waiting(name):
-            self.held.append(name)  # its next task starts from the next version (see the module docstring)
-        else:
-            self.dispatch(name)
+        self.held.append(name)
+        self.release_held()
+
+    def may_dispatch(self, name: str) -> bool:
+        """Whether `name` may be sent a task now (see the module docstring: the two reasons to hold it)."""
+        strategy = self.strategy
+        if strategy.max_staleness == 0 and strategy.waiting(name):
+            return False  # its next task starts from the next version
+        if not strategy.waits_for_stragglers:
+            return True
+        return dispatch_keeps_bound(self.version, [task.base_version for task in self.in_flight.values()],
+                                    len(strategy.submitted), strategy.buffer_size(), strategy.max_staleness)
+
+    def release_held(self) -> None:
+        """Send a task to every held datacenter that may have one now, in the order they were held."""
+        if self.version >= self.config.run.rounds:
+            return
+        pending, self.held = self.held, []
+        for name in pending:
+            if self.may_dispatch(name):
+                since = self.held_since.pop(name, None)
+                if since is not None:
+                    self._held_event("released", name, waited_s=round(time.time() - since, 3))
+                self.dispatch(name)
+            else:
+                if self.strategy.waits_for_stragglers and name not in self.held_since:
+                    self.held_since[name] = time.time()
+                    self._held_event("held", name)
+                self.held.append(name)
+
+    def _held_event(self, kind: str, name: str, **detail: Any) -> None:
+        bases = [task.base_version for task in self.in_flight.values()]
+        self.runlog.log_event(run_id=self.run_id, kind=kind, round=self.version, datacenter=name,
+                              detail={"version": self.version, "oldest_in_flight": min(bases) if bases else None,
+                                      "max_staleness": self.strategy.max_staleness, **detail})
 
     def _discard(self, task: Task, record: DatacenterRoundRecord, staleness: int) -> DatacenterRoundRecord:
         bound = self.strategy.max_staleness
@@ -188,11 +228,9 @@ class AsyncFederation:
         self.session.weights = new_weights
         self.version += 1
         self._close_version(applied_at)
-        held, self.held = self.held, []
         if self.version < self.config.run.rounds:
             self._rediscover()
-            for name in held:
-                self.dispatch(name)
+            self.release_held()
 
     def _log_applied(self, applied: Sequence[Submitted]) -> None:
         """The async_updates rows of a step's updates (all arrived at the current version: their rows are at hand),

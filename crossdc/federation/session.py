@@ -14,7 +14,12 @@ only what differs between them; everything else is a :class:`RoundSession` metho
   once, handed to the strategy, and each update's ``update_cosine`` against it (:func:`update_cosines`);
 - **recording**: a reply's outcome (the datacenter seen, an event for what went wrong, a trainer restart), a
   datacenter-round record finished with its link measurements, a round's row, the DB-outage dump of the
-  weights, the run summary.
+  weights, the run summary;
+- **the best model** (``run.keep_best``): after every evaluation whose validation loss is the lowest so far, the
+  global weights are written to the run folder's best-weights.npz (and the round to the summary's ``best_round``),
+  so a run that overfits or ends on a bad version still hands over its best evaluated model; a checkpoint carries
+  the best model (a second copy of the weights when it is not the current one), so a resumed run keeps the same
+  best model as an uninterrupted one.
 """
 
 from __future__ import annotations
@@ -137,6 +142,9 @@ class RoundSession:
         self.worker_pids: dict[str, list[list[int]]] = {name: [] for name in config.datacenter_names}
         self.totals = {"bytes_up": 0, "bytes_down": 0}
         self.val_loss = self.val_accuracy = float("nan")
+        #: the lowest validation loss evaluated so far and its round/version (run.keep_best); None: none yet
+        self.best_val_loss: float | None = None
+        self.best_round: int | None = None
         self._records: tuple[int, dict[str, Any]] | None = None  # (model version, its encoded records)
 
     # ------------------------------------------------------------------ messages
@@ -239,7 +247,19 @@ class RoundSession:
         self.val_loss, self.val_accuracy, eval_s = self.evaluate()
         if not np.isfinite(self.val_loss):
             self._event("diverged", made, detail=f"validation loss {self.val_loss}")
+        elif self.config.run.keep_best and (self.best_val_loss is None or self.val_loss < self.best_val_loss):
+            self.best_val_loss, self.best_round = float(self.val_loss), made
+            self._write_best(self.weights)
         return eval_s
+
+    def _write_best(self, weights: Mapping[str, np.ndarray] | None) -> None:
+        """best-weights.npz := `weights` (None: remove it, no model is the best yet)."""
+        if self.run_dir is None:
+            return
+        if weights is None:
+            self.run_dir.best_weights.unlink(missing_ok=True)
+        else:
+            np.savez(self.run_dir.best_weights, **weights)
 
     # ------------------------------------------------------------------ recording
     def _event(self, kind: str, at: int, datacenter: str | None = None, detail: Any = None) -> None:
@@ -322,6 +342,11 @@ class RoundSession:
         self.strategy.load_state_dict(state["strategy"])
         carried = state["carried"]
         self.val_loss, self.val_accuracy = carried["val_loss"], carried["val_accuracy"]
+        best = carried.get("best") or {}
+        self.best_val_loss, self.best_round = best.get("val_loss"), best.get("round")
+        if self.config.run.keep_best:  # what was best after the checkpoint is rolled back with its rounds
+            self._write_best(best.get("weights") if best.get("weights") is not None
+                             else self.weights if self.best_round == server_round else None)
         self.totals = dict(carried["totals"])
         for downlink in (self.downlink, self.fragment_downlink):
             if downlink is not None and carried.get("downlink") is not None:
@@ -347,12 +372,21 @@ class RoundSession:
         everything = {"val_loss": self.val_loss, "val_accuracy": self.val_accuracy, "totals": dict(self.totals),
                       "worker_pids": self.worker_pids,
                       "downlink": next((d.state_dict() for d in (self.downlink, self.fragment_downlink) if d is not None), None),
-                      **carried}
+                      "best": self._best_state(server_round), **carried}
         info = checkpointer.save(loop_state(self.run_id, server_round, self.weights, self.strategy.state_dict(), everything))
         self.runlog.log_checkpoint(run_id=self.run_id, round=server_round, uri=info.uri)
         self.runlog.log_event(run_id=self.run_id, kind="checkpoint", round=server_round,
                               detail={"uri": info.uri, "bytes": info.size})
         return True
+
+    def _best_state(self, server_round: int) -> dict[str, Any]:
+        """What a checkpoint after `server_round` carries of the best model: its loss and round, and its weights
+        unless they are the checkpoint's own (best at `server_round`) or there is none."""
+        weights = None
+        if self.best_round is not None and self.best_round != server_round and self.run_dir is not None:
+            with np.load(self.run_dir.best_weights) as npz:
+                weights = {name: npz[name] for name in npz.files}
+        return {"val_loss": self.best_val_loss, "round": self.best_round, "weights": weights}
 
     def save_final_weights(self) -> None:
         if self.run_dir is not None:
@@ -361,7 +395,8 @@ class RoundSession:
     def summary(self, wall_s: float, **extra: Any) -> dict[str, Any]:
         """The run's summary: its last validation, bytes both ways, wall time, worker groups, and `extra`."""
         return {"run_id": self.run_id, "rounds": self.config.run.rounds, "val_loss": self.val_loss,
-                "val_accuracy": self.val_accuracy, "bytes_up_total": self.totals["bytes_up"],
+                "val_accuracy": self.val_accuracy, "best_val_loss": self.best_val_loss, "best_round": self.best_round,
+                "bytes_up_total": self.totals["bytes_up"],
                 "bytes_down_total": self.totals["bytes_down"], "wall_s": wall_s, **extra,
                 "worker_pids": self.worker_pids}
 

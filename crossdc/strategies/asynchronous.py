@@ -9,7 +9,10 @@ Server half (driven by :mod:`crossdc.federation.async_loop`, never by the synchr
 model carries a version (a logical clock, 0 at the start). An accepted update computed from version v that
 arrives while the global model is at version t has staleness s = t − v. If s > ``max_staleness`` it is
 discarded (:meth:`AsyncStrategy.admits`); otherwise it is :meth:`AsyncStrategy.submit`-ted with its scale
-from the staleness function (:mod:`crossdc.strategies.staleness`, from the base rate ``lr``). When
+from the staleness function (:mod:`crossdc.strategies.staleness`, from the base rate ``lr``). Under
+``staleness_policy = "wait"`` the loop keeps that from happening instead: a datacenter is sent no new work while
+that work could let a task in flight arrive staler than ``max_staleness`` (:func:`dispatch_keeps_bound`), so a
+fast datacenter waits for the slow one rather than having the slow one's work thrown away. When
 :meth:`AsyncStrategy.ready` says so, :meth:`AsyncStrategy.step` applies what was submitted and the version
 moves to t + 1. A subclass says when a step is due (:meth:`AsyncStrategy.buffer_size`) and what it does
 (:meth:`AsyncStrategy.apply`).
@@ -27,15 +30,40 @@ from crossdc.strategies.staleness import DEFAULT_EXPONENT, STALENESS_FUNCTIONS, 
 
 #: ``max_staleness`` when the config does not set it
 DEFAULT_MAX_STALENESS = 16
+#: what keeps staleness within ``max_staleness``: discard the staler updates, or hold the datacenters running ahead
+STALENESS_POLICIES: tuple[str, ...] = ("discard", "wait")
+
+
+def dispatch_keeps_bound(version: int, in_flight_bases: Sequence[int], buffered: int, buffer_size: int,
+                         max_staleness: int) -> bool:
+    """Whether a new task sent now (from `version`) keeps every task in flight within `max_staleness` whatever order
+    the replies come in.
+
+    `in_flight_bases`: the base versions of the tasks in flight; `buffered`: updates already waiting for a server
+    step; `buffer_size`: K, updates per step. The worst case for the oldest task in flight (base v₀) is that every
+    other task and the new one arrive and are applied first: they and the buffer make ⌊(buffered + n)/K⌋ server
+    steps (n tasks in flight: n − 1 others and the new one), so it arrives at staleness
+    version + ⌊(buffered + n)/K⌋ − v₀, which must not exceed `max_staleness`. Nothing in flight: always True.
+    """
+    if buffer_size < 1:
+        raise ValueError(f"the buffer size must be >= 1, got {buffer_size}")
+    if not in_flight_bases:
+        return True
+    steps = (buffered + len(in_flight_bases)) // buffer_size
+    return version + steps - min(in_flight_bases) <= max_staleness
 
 
 def async_parameters(lr_default: float, lr_help: str) -> dict[str, Parameter]:
     """The parameters every asynchronous strategy takes (its base rate `lr` with its own default and help)."""
     return {
         "lr": Parameter(float, lr_default, lr_help, low=0.0),
-        "max_staleness": Parameter(int, DEFAULT_MAX_STALENESS, "updates staler than this many versions are discarded "
-                                   "(0: none; a datacenter whose update waits in a buffer then waits for the next version)",
+        "max_staleness": Parameter(int, DEFAULT_MAX_STALENESS, "updates staler than this many versions are discarded, or "
+                                   "never made under staleness_policy wait (0: none; a datacenter whose update waits in "
+                                   "a buffer then waits for the next version)",
                                    low=0),
+        "staleness_policy": Parameter(str, "discard", "discard: an update staler than max_staleness is dropped; wait: a "
+                                      "datacenter gets no new work while it could make a task in flight that stale "
+                                      "(a fast datacenter waits for the slow one)", choices=STALENESS_POLICIES),
         "staleness": Parameter(str, "inverse", "scale of an update with staleness s: inverse lr/(1+s), hinge, constant, "
                                "polynomial lr·(1+s)^-a", choices=STALENESS_FUNCTIONS),
         "staleness_exponent": Parameter(float, DEFAULT_EXPONENT, "a of the polynomial staleness function", low=1e-6),
@@ -74,6 +102,11 @@ class AsyncStrategy(Strategy):
     @property
     def max_staleness(self) -> int:
         return int(self.params["max_staleness"])
+
+    @property
+    def waits_for_stragglers(self) -> bool:
+        """Whether staleness is bounded by holding datacenters back (``staleness_policy = "wait"``)."""
+        return self.params["staleness_policy"] == "wait"
 
     def buffer_size(self) -> int:
         """K: accepted updates per server step (1 unless a subclass buffers)."""
