@@ -131,7 +131,8 @@ def markdown(rows: list[dict[str, Any]], target: float) -> str:
     lines = [f"MNIST-1D MLP, IID, 4 datacenters (relative speeds {speeds}; emulated × {SPEED_SCALE}), τ = {TAU}, "
              f"Flower simulation: time to validation loss ≤ {target}",
              "", "| row | time to target | versions to target | final / best val loss | kept model (version) "
-             "| updates per datacenter (dc-1 dc-2 dc-3 slow) | fast datacenters busy | held (summed over datacenters) | staleness (applied s:count) |",
+             "| updates per datacenter (dc-1 dc-2 dc-3 slow) | fast datacenters busy | held (summed over datacenters) "
+             "| staleness (applied s:count) |",
              "| --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
     labels = {name: label for name, *_, label in ROWS}
     for r in rows:
