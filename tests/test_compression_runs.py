@@ -22,21 +22,21 @@ REPO = Path(__file__).resolve().parents[1]
 BAD_DATACENTER = "eu-west"
 
 
-def shakespeare_config(codecs: list[str], downlink_codecs: list[str] | None = None) -> dict:
-    """2 datacenters, a ~400k-parameter char transformer, 3 rounds of FedAvg at τ = 5: the same for every codec
-    list."""
+def shakespeare_config(codecs: list[str], downlink_codecs: list[str] | None = None, strategy: str = "fedavg") -> dict:
+    """2 datacenters, a ~400k-parameter char transformer, 3 rounds of FedAvg (or `strategy`) at τ = 5: the same for
+    every codec list."""
     doc = tomllib.loads((REPO / "crossdc" / "orchestration" / "demo.toml").read_text())
     doc["run"].update(rounds=3, name="compression-" + ("-".join(codecs) or "none"))
     doc["workload"]["model_args"].update(d_model=128)
-    doc["strategy"] = {"name": "fedavg", "tau": {"start": 5, "end": 5, "warmup_rounds": 0}}
+    doc["strategy"] = {"name": strategy, "tau": {"start": 5, "end": 5, "warmup_rounds": 0}}
     doc["datacenters"] = [{"name": "us-east"}, {"name": "eu-west"}]
     doc["compression"] = {"codecs": codecs, "downlink_codecs": downlink_codecs or []}
     return doc
 
 
-def _run(tmp_path: Path, codecs: list[str], downlink_codecs: list[str] | None = None) -> dict:
+def _run(tmp_path: Path, codecs: list[str], downlink_codecs: list[str] | None = None, strategy: str = "fedavg") -> dict:
     db_url = f"sqlite:///{tmp_path / 'compression.db'}"
-    result = run_local(parse_config(shakespeare_config(codecs, downlink_codecs)),
+    result = run_local(parse_config(shakespeare_config(codecs, downlink_codecs, strategy)),
                        LocalRunOptions(db_url=db_url, engine="simulation", runs_root=tmp_path / "runs"))
     return read_run(db_url, result.run_id)
 
@@ -47,6 +47,7 @@ def runs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, dict]:
     runs = {name: _run(tmp, codecs) for name, codecs in
             {"none": [], "int8": ["int8"], "topk+int8": ["topk:0.01", "int8"]}.items()}
     runs["downlink int8"] = _run(tmp, [], ["int8"])
+    runs["sparseloco"] = _run(tmp, ["chunk-topk:64:decay=0.95", "int2"], strategy="sparseloco")
     return runs
 
 
@@ -84,6 +85,18 @@ def test_downlink_int8_sends_deltas_after_round_one_and_trains_as_well(runs: dic
     assert all(d < dense_bytes / 3.5 for d, dense_bytes in zip(down[1:], dense[1:], strict=False)), (down, dense)
     dense_loss, loss = runs["none"]["rounds"][-1]["val_loss"], logged["rounds"][-1]["val_loss"]
     assert abs(loss - dense_loss) / dense_loss <= 0.02, (loss, dense_loss)
+
+
+@pytest.mark.timeout(900)
+def test_sparseloco_learns_on_flower_at_over_100x_fewer_uplink_bytes(runs: dict[str, dict]) -> None:
+    """SparseLoCo's chunked top-k (64 of 4096, 2-bit values) through Flower: > 100× fewer bytes than the dense
+    update in every round, and it learns."""
+    logged = runs["sparseloco"]
+    assert logged["run"]["status"] == "finished" and all(r["status"] == "ok" for r in logged["dc_rounds"])
+    ratios = [r["bytes_up_raw"] / r["bytes_up"] for r in logged["dc_rounds"]]
+    assert min(ratios) > 100, ratios
+    losses = [r["val_loss"] for r in logged["rounds"]]
+    assert losses[-1] < losses[0] - 0.05, losses
 
 
 def test_counted_bytes_are_the_serialized_message() -> None:

@@ -23,12 +23,16 @@ ROUNDS = 6
 
 
 def _config(tmp: Path) -> Path:
-    """DiLoCo (server momentum, inner AdamW state, data position: everything a resume must restore), 2 datacenters,
-    checkpoints every 2 rounds, keeping 3."""
+    """DiLoCo (server momentum, inner AdamW state, data position, the inner and outer learning-rate schedules'
+    positions: everything a resume must restore), 2 datacenters, checkpoints every 2 rounds, keeping 3."""
     text = (REPO / "examples" / "synthetic-2dc.toml").read_text()
     doc = tomllib.loads(text)
     assert doc["strategy"]["name"] == "fedavg"
-    text = text.replace('name = "fedavg"', 'name = "diloco"\nparams = { outer_lr = 0.7, outer_momentum = 0.9 }')
+    text = text.replace('name = "fedavg"', 'name = "diloco"\nparams = { outer_lr = 0.7, outer_momentum = 0.9, '
+                        'outer_warmup_rounds = 2, outer_schedule = "cosine", outer_min_lr = 0.1 }')
+    # the inner schedule counts each datacenter's steps since the run began: a resume must go on where it was
+    text = text.replace("lr = 0.01\n", 'lr = 0.01\nbetas = [0.9, 0.95]\ngrad_clip = 1.0\n'
+                        'schedule = { kind = "cosine", warmup_steps = 5, min_lr = 0.001 }\n')
     text = text.replace("rounds = 3", f"rounds = {ROUNDS}")
     text += f'\n[checkpoint]\nevery_rounds = 2\nkeep = 3\ndir = "{tmp / "checkpoints"}"\n'
     path = tmp / "resume.toml"

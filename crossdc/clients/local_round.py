@@ -33,7 +33,7 @@ def train_with_plan(strategy: Strategy, trainer: LocalTrainer, tau: int, weights
 
 
 def run_local_round(strategy: Strategy, trainer: LocalTrainer, store: DatacenterStateStore, datacenter: str,
-                    server_round: int, tau: int, lr: float, weights: Arrays, received: Mapping[str, Arrays],
+                    server_round: int, tau: int, weights: Arrays, received: Mapping[str, Arrays],
                     broadcast: Callable[[dict[str, Any]], None] | None = None, codecs: Sequence[str] = (),
                     codec_seed: int = 0) -> dict[str, Any]:
     """Local rank 0's round: returns ``{"delta", "extras", "metrics"}`` (see the module docstring); with `codecs`,
@@ -44,7 +44,7 @@ def run_local_round(strategy: Strategy, trainer: LocalTrainer, store: Datacenter
     """
     stored = store.load(strategy.client_state_key) if strategy.client_state_key else None
     state, state_round = stored if stored is not None else (None, 0)
-    context = LocalContext(datacenter=datacenter, server_round=server_round, tau=tau, lr=lr,
+    context = LocalContext(datacenter=datacenter, server_round=server_round, tau=tau, lr=trainer.mean_lr(tau),
                            parameter_names=trainer.parameter_names(), state_round=state_round)
     plan = strategy.local_plan(context, weights, received, state)
     if broadcast is not None:

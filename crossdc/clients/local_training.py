@@ -1,8 +1,9 @@
 """Local optimisation on one datacenter's data (also used by the single-datacenter baselines).
 
-Promises: `train_steps(n)` runs exactly n optimizer steps; the optimizer state
-and the position in the (seeded, reshuffled every epoch) data order carry over
-between calls, so several short calls equal one long call.
+Promises: `train_steps(n)` runs exactly n optimizer steps; the optimizer state,
+the inner step count (which drives the learning-rate schedule) and the position
+in the (seeded, reshuffled every epoch) data order carry over between calls, so
+several short calls equal one long call.
 """
 
 from __future__ import annotations
@@ -18,7 +19,7 @@ import torch
 from torch.utils.data import TensorDataset
 
 from crossdc.clients.devices import autocast
-from crossdc.workloads import Workload, load_model_weights, make_optimizer, model_weights
+from crossdc.workloads import InnerOptions, Workload, load_model_weights, make_optimizer, model_weights
 
 #: the shortest sleep of the speed emulation (see LocalTrainer): the trainer runs ahead of its pace until this much
 SLEEP_QUANTUM_S = 0.2
@@ -98,11 +99,18 @@ class LocalTrainer:
     the datacenter's batch it takes). Each rank's objective is scaled by all_ranks / (datacenters · world), so the
     gradient DistributedDataParallel averages over all ranks is the mean over datacenters of each datacenter's batch
     gradient — the gradient of the datacenters' batches concatenated, whatever their worker counts.
+
+    `options` tune the optimizer (:class:`crossdc.workloads.InnerOptions`): betas and weight decay at its
+    construction; ``grad_clip`` bounds the global norm of each step's gradient (after `after_backward`, so a
+    strategy's correction is clipped with it); the schedule sets each step's learning rate from :attr:`inner_steps`
+    (this trainer's steps since the run began, saved with its state) over `horizon_steps`, the steps it will take
+    in the whole run (required for a decaying schedule).
     """
 
     def __init__(self, workload: Workload, dataset: TensorDataset, batch_size: int, optimizer: str, lr: float, seed: int,
                  rank: int = 0, world: int = 1, device: str = "cpu", precision: str = "fp32", speed: float = 1.0,
-                 all_ranks: int | None = None, datacenters: int = 1) -> None:
+                 all_ranks: int | None = None, datacenters: int = 1, options: InnerOptions | None = None,
+                 horizon_steps: int | None = None) -> None:
         if batch_size % world:
             raise ValueError(f"the batch size {batch_size} must be divisible by the {world} local workers")
         if not 0.0 < speed <= 1.0:
@@ -124,9 +132,17 @@ class LocalTrainer:
 
             ids = [self.device.index] if self.device.type == "cuda" else None
             self.forward = DistributedDataParallel(self.model, device_ids=ids)
-        self.optimizer = make_optimizer(optimizer, self.model.parameters(), lr)
+        self.options = options or InnerOptions()
+        schedule = self.options.schedule
+        if schedule.kind != "constant" and horizon_steps is None:
+            raise ValueError(f"a {schedule.kind} learning-rate schedule needs the run's length (horizon_steps)")
+        schedule.check(lr, horizon_steps)
+        self.base_lr, self.horizon_steps = lr, horizon_steps or 0
+        self.optimizer = make_optimizer(optimizer, self.model.parameters(), lr, self.options)
         #: optimizer steps this trainer has taken since it was built (a liveness counter, not saved)
         self.steps_taken = 0
+        #: optimizer steps since the run began (saved in state_dict; the learning-rate schedule counts these)
+        self.inner_steps = 0
         self.stream = BatchStream(dataset, batch_size, seed)
 
     def set_weights(self, arrays: Mapping[str, np.ndarray]) -> None:
@@ -167,8 +183,12 @@ class LocalTrainer:
             (objective if self.objective_scale == 1.0 else objective * self.objective_scale).backward()
             if after_backward is not None:
                 after_backward(self.model)
+            if self.options.grad_clip is not None:
+                torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.options.grad_clip)
+            self.set_lr(self.lr_now())
             self.optimizer.step()
             self.steps_taken += 1
+            self.inner_steps += 1
             total_loss += float(loss.detach())
             if self.slowdown > 0.0:  # speed emulation: this step takes 1/speed times as long (see the class doc)
                 took = time.perf_counter() - step_started
@@ -201,10 +221,27 @@ class LocalTrainer:
         ordered = sorted(self.hot_step_s)
         return ordered[int(PACED_STEP_QUANTILE * (len(ordered) - 1))]
 
+    def lr_now(self) -> float:
+        """The learning rate of the next step (the schedule at :attr:`inner_steps`)."""
+        return self.options.schedule.lr(self.inner_steps, self.base_lr, self.horizon_steps)
+
+    def mean_lr(self, steps: int) -> float:
+        """The mean learning rate of the next `steps` steps (what a round of that many steps is trained at)."""
+        schedule = self.options.schedule
+        if schedule.kind == "constant" and self.inner_steps >= schedule.warmup_steps:
+            return self.base_lr  # exactly, not a sum of equal terms divided back
+        return sum(schedule.lr(self.inner_steps + k, self.base_lr, self.horizon_steps) for k in range(steps)) / steps
+
+    def set_lr(self, lr: float) -> None:
+        for group in self.optimizer.param_groups:
+            group["lr"] = lr
+
     def state_dict(self) -> dict[str, Any]:
-        """Optimizer state and data position (what must survive a restart), not the weights."""
-        return {"optimizer": self.optimizer.state_dict(), "stream": self.stream.state_dict()}
+        """Optimizer state, inner step count and data position (what must survive a restart), not the weights."""
+        return {"optimizer": self.optimizer.state_dict(), "stream": self.stream.state_dict(),
+                "inner_steps": self.inner_steps}
 
     def load_state_dict(self, state: Mapping[str, Any]) -> None:
         self.optimizer.load_state_dict(state["optimizer"])
         self.stream.load_state_dict(state["stream"])
+        self.inner_steps = int(state.get("inner_steps", 0))  # a state saved before the count existed: 0

@@ -46,7 +46,7 @@ from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGP
 
 from crossdc.clients.local_training import BatchStream
 from crossdc.compression.activations import boundary_modules
-from crossdc.workloads import Workload, make_optimizer
+from crossdc.workloads import InnerOptions, Workload, make_optimizer
 from crossdc.workloads.stages import split_model
 
 log = logging.getLogger("crossdc.pipeline")
@@ -157,7 +157,8 @@ class StageRunner:
     """One stage of a pipeline run (see the module docstring)."""
 
     def __init__(self, workload: Workload, model: nn.Module, blocks_per_stage: Sequence[int], settings: StageSettings, *,
-                 batch_size: int, optimizer: str, lr: float, data_seed: int, codec_seed: int) -> None:
+                 batch_size: int, optimizer: str, lr: float, data_seed: int, codec_seed: int,
+                 options: InnerOptions | None = None, horizon_steps: int | None = None) -> None:
         if batch_size % settings.microbatches:
             raise StageFailed(f"microbatches = {settings.microbatches} does not divide the batch size {batch_size}")
         self.settings = settings
@@ -177,7 +178,9 @@ class StageRunner:
             self.output_example = self.output_example.detach().requires_grad_(True)
         #: this stage's tensors under the unsplit model's names (the codec's own buffers are not the model's)
         self.named = {names[id(t)]: t for t in self.module.state_dict(keep_vars=True).values() if id(t) in names}
-        self.optimizer = make_optimizer(optimizer, [p for p in self.module.parameters() if p.requires_grad], lr)
+        self.options, self.base_lr, self.horizon_steps = options or InnerOptions(), lr, horizon_steps or 0
+        self.optimizer = make_optimizer(optimizer, [p for p in self.module.parameters() if p.requires_grad], lr,
+                                        self.options)
         self.steps_taken = 0
         self._stage: _TimedStage | None = None
         self._schedule: ScheduleGPipe | Schedule1F1B | None = None
@@ -249,6 +252,8 @@ class StageRunner:
                 self.close()
                 raise StageFailed(f"stage {s.index} of {s.stages}: step {step} failed "
                                   f"({type(err).__name__}: {err})".splitlines()[0]) from err
+            for group in self.optimizer.param_groups:  # the schedule counts the run's steps from 0
+                group["lr"] = self.options.schedule.lr(step - 1, self.base_lr, self.horizon_steps)
             self.optimizer.step()
             self.steps_taken = step
             losses_all += [float(loss.detach()) for loss in losses]

@@ -32,7 +32,7 @@ import torch.distributed as dist
 
 from crossdc.clients.local_training import LocalTrainer
 from crossdc.experiment.builders import build_strategy, build_workload, datacenter_seed, initial_model
-from crossdc.experiment.config import parse_config
+from crossdc.experiment.config import inner_steps_planned, parse_config
 from crossdc.experiment.rundir import RunDir
 from crossdc.wan.ledger import union_length
 from crossdc.workloads import evaluate, model_weights
@@ -97,7 +97,8 @@ def main(argv: list[str] | None = None) -> None:
         trainer = LocalTrainer(workload, workload.shard(dc.name), w.batch_size, w.optimizer, w.lr,
                                datacenter_seed(config, dc.name), rank=args.local_rank, world=dc.workers,
                                precision=w.precision, speed=dc.speed, all_ranks=args.world,
-                               datacenters=len(config.datacenters))
+                               datacenters=len(config.datacenters), options=w.options,
+                               horizon_steps=inner_steps_planned(config))
         trainer.set_weights(model_weights(initial_model(config, workload)))
         timer = CommunicationTimer()
         trainer.forward.register_comm_hook(None, timer.hook)  # type: ignore[operator]

@@ -53,7 +53,7 @@ from crossdc.compression.downlink import DownlinkOutOfSync, receive
 from crossdc.compression.uplink import decode_arrays
 from crossdc.compression.wire import CodecError
 from crossdc.experiment.builders import datacenter_seed, initial_model
-from crossdc.experiment.config import parse_config
+from crossdc.experiment.config import inner_steps_planned, parse_config
 from crossdc.experiment.processes import die_with_parent
 from crossdc.experiment.rundir import SETTINGS_GOSSIP_ADDRESSES, SETTINGS_PIPELINE_GROUP, RunDir
 from crossdc.protocol import GossipRequest, PipelineRequest, ProtocolError, StreamRequest, TrainRequest
@@ -95,7 +95,6 @@ class DatacenterTrainer:
         self.stage: StageRunner | None = None
         self.stage_round = 0
         self.world = next(dc.workers for dc in config.datacenters if dc.name == datacenter)
-        self.lr = config.workload.lr
         self.codecs, self.codec_seed = config.compression.codecs, datacenter_seed(config, datacenter)
         self.generation = 0
         self.workers: list[subprocess.Popen[bytes]] = []
@@ -272,7 +271,8 @@ class DatacenterTrainer:
         w = config.workload
         stage = StageRunner(workload, model, stage_blocks(model_blocks(model), len(names), strategy.layers()), settings,
                             batch_size=w.batch_size, optimizer=w.optimizer, lr=w.lr,
-                            data_seed=datacenter_seed(config, names[0]), codec_seed=config.run.seed)
+                            data_seed=datacenter_seed(config, names[0]), codec_seed=config.run.seed,
+                            options=w.options, horizon_steps=inner_steps_planned(config))
         if request.attempt > self.attempt and request.resume_round is not None:
             self.store.rewind(request.resume_round)
         after = request.resume_round if request.attempt > self.attempt and request.resume_round is not None \
@@ -500,7 +500,7 @@ class DatacenterTrainer:
         try:
             if dead:
                 raise RuntimeError(f"local worker(s) {dead} of the group had exited")
-            answer = run_local_round(self.strategy, self.trainer, self.store, self.datacenter, server_round, tau, self.lr,
+            answer = run_local_round(self.strategy, self.trainer, self.store, self.datacenter, server_round, tau,
                                      global_weights, request.received,
                                      broadcast if self.world > 1 else None, self.codecs, self.codec_seed)
         except StrategyError as err:  # the message breaks the strategy's contract: the group itself is fine

@@ -25,7 +25,7 @@ from crossdc.clients.local_round import TRAINER_STATE_KEY, train_with_plan
 from crossdc.clients.local_training import LocalTrainer, StepsResult
 from crossdc.clients.state_store import DatacenterStateStore
 from crossdc.experiment.builders import build_strategy, build_workload, datacenter_seed
-from crossdc.experiment.config import parse_config
+from crossdc.experiment.config import inner_steps_planned, parse_config
 from crossdc.experiment.rundir import RunDir
 from crossdc.strategies.base import Strategy
 
@@ -46,7 +46,8 @@ def build_rank(run_dir: RunDir, datacenter: str, rank: int, world: int) -> tuple
     speed = next(dc.speed for dc in config.datacenters if dc.name == datacenter)
     trainer = LocalTrainer(workload, workload.shard(datacenter), w.batch_size, w.optimizer, w.lr,
                            datacenter_seed(config, datacenter), rank=rank, world=world,
-                           device=local_placement(rank, world).device, precision=w.precision, speed=speed)
+                           device=local_placement(rank, world).device, precision=w.precision, speed=speed,
+                           options=w.options, horizon_steps=inner_steps_planned(config))
     store = DatacenterStateStore(run_dir.state_root, settings["run_id"], datacenter)
     last_round = 0
     stored = store.load(TRAINER_STATE_KEY)

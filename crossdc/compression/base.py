@@ -95,6 +95,11 @@ class StructureCodec(Codec):
         """What of this round's update enters the error-feedback accumulator (default: the update itself)."""
         return update
 
+    def residual_decay(self) -> float:
+        """β: the error-feedback residual is multiplied by β before this round's update is added to it
+        (default 1: nothing is forgotten)."""
+        return 1.0
+
 
 class ValuesCodec(Codec):
     """Decides how each sent float is written."""

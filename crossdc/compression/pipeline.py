@@ -7,7 +7,9 @@
 - with error feedback (on when any codec asks for it, e.g. top-k and PowerSGD), the pipeline keeps a
   residual per tensor: the update plus the previous residual is encoded, and what was not sent becomes
   the new residual — so over any number of rounds, the sum of decoded payloads plus the final residual
-  equals the sum of the updates (to float rounding);
+  equals the sum of the updates (to float rounding); a structure codec may decay the residual instead
+  (e ← β·e + update, :meth:`StructureCodec.residual_decay`; SparseLoCo's chunked top-k), and then the
+  same holds with each round's update and payload weighted by β to the power of the rounds since;
 - per tensor, sparse positions are sent only when that is cheaper than sending every value;
 - its state (residuals, DGC velocity, PowerSGD's Q) comes out of :meth:`state_dict` for the
   datacenter's durable state store and goes back with :meth:`load_state_dict`.
@@ -152,6 +154,7 @@ class CodecPipeline:
         self.specs = list(specs)
         self.error_feedback = error_feedback and any(
             bool(c.params.get("ef", c.error_feedback)) for c in (self.structure, self.values) if c)
+        self.residual_decay = self.structure.residual_decay() if self.structure is not None else 1.0
         self.generator = torch.Generator().manual_seed(seed)
         if self.structure is not None:
             self.structure.use_generator(self.generator)
@@ -187,7 +190,7 @@ class CodecPipeline:
                 tensor = self.structure.prepare(name, tensor, state)
             residual = self.residuals.get(name)
             if self.error_feedback:
-                tensor = tensor + residual if residual is not None else tensor.clone()
+                tensor = tensor + residual * self.residual_decay if residual is not None else tensor.clone()
             accumulated[name] = tensor
             energy = _squared_norm(tensor)
             if not _is_finite(tensor, energy):

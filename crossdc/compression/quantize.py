@@ -7,6 +7,9 @@ per scale; 0 = one scale for the whole vector):
   at most scale / 2. Deterministic.
 - ``int4``: the same with codes in [−7, 7] (scale = max |x| / 7), two codes per byte on the wire; the
   error of each value is at most scale / 2. Deterministic.
+- ``int2``: 2-bit codes on the odd levels −3, −1, 1, 3 (scale = max |x| / 3 over the block: the levels are ±max and
+  ±max / 3, and no zero, since it writes values a sparsifier chose for their size), four codes per byte on the
+  wire; the error of each value is at most the scale. Deterministic. SparseLoCo's values codec.
 - ``fp8``: scale = max |x| / 448 over the block, code = x / scale rounded to the nearest float8 e4m3
   (ties to even), so the block's largest magnitude maps to e4m3's largest, 448. The error of each value
   is at most 2⁻⁴ of it where |x| / scale ≥ 2⁻⁶ (e4m3's normal range: 3 mantissa bits), and at most
@@ -25,7 +28,7 @@ import torch
 import torch.nn.functional as F
 
 from crossdc.compression.base import ValuesCodec
-from crossdc.compression.wire import F8, INT4_MAX, Q4, Q8, Q16, VALUE_KINDS, Values
+from crossdc.compression.wire import F8, INT2_MAX, INT4_MAX, Q2, Q4, Q8, Q16, VALUE_KINDS, Values
 from crossdc.parameters import Parameter
 
 #: the largest int8 code (the codes are symmetric: −128 is never written)
@@ -67,6 +70,14 @@ def int4_quantize(values: torch.Tensor, block: int = 0) -> Values:
     """Deterministic symmetric int4 codes in [−7, 7] with a max-abs scale per block (error ≤ scale / 2 per value);
     the codes are int8 in memory and packed two per byte on the wire."""
     return _rounded_codes(values, block, INT4_MAX, Q4)
+
+
+def int2_quantize(values: torch.Tensor, block: int = 0) -> Values:
+    """Deterministic 2-bit codes: x / scale (scale = max |x| / 3 per block) rounded to the nearest odd level of −3, −1,
+    1, 3 (error ≤ scale per value; a zero lands on ±1)."""
+    scaled, scales, recorded = _max_abs_scaled(values, block, float(INT2_MAX))
+    odd = (torch.floor(scaled.clamp_(-INT2_MAX, INT2_MAX) / 2) * 2 + 1).clamp_(-INT2_MAX, INT2_MAX)
+    return Values(Q2, odd.to(torch.int8)[: values.numel()], scales, recorded)
 
 
 def fp8_quantize(values: torch.Tensor, block: int = 0) -> Values:
@@ -134,6 +145,16 @@ class Int4(MaxAbsCodec):
     quantizer = int4_quantize
     # 64: with only 7 levels a side, one outlier per tensor would round most values to 0; a scale per 64 values
     # keeps outliers local for 4 / 64 = 0.0625 bytes per value (0.5625 in all, 7.1x smaller than float32)
+    default_block = 64
+
+
+class Int2(MaxAbsCodec):
+    """2-bit values (levels ±max, ±max/3 of each block, four per byte) with a max-abs scale per block of 64: with a
+    chunked top-k of k = 64 per chunk (its default), one scale per chunk (SparseLoCo)."""
+
+    name = "int2"
+    encoding = Q2
+    quantizer = int2_quantize
     default_block = 64
 
 

@@ -24,6 +24,8 @@ them take, whether scales follow):
 - ``q4``: int4 codes in [−7, 7] times a scale per block, two per byte: value 2i in the low nibble of
   byte i, value 2i + 1 in its high nibble, each as 4-bit two's complement; an odd count leaves the last
   high nibble 0. n values take ⌈n/2⌉ bytes.
+- ``q2``: 2-bit codes, the odd levels −3, −1, 1, 3 times a scale per block, four per byte: value 4i + j in bits
+  2j, 2j + 1 of byte i as (code + 3) / 2; the unused bits after the last value are 0. n values take ⌈n/4⌉ bytes.
 """
 
 from __future__ import annotations
@@ -38,7 +40,7 @@ import torch
 
 MAGIC = b"CDC1"
 DENSE, SPARSE, LOWRANK = "dense", "sparse", "lowrank"
-F32, Q8, Q16, F8, Q4 = "f32", "q8", "q16", "f8", "q4"
+F32, Q8, Q16, F8, Q4, Q2 = "f32", "q8", "q16", "f8", "q4", "q2"
 #: bytes of one float32 scale
 SCALE_BYTES = 4
 #: the largest magnitude an int4 code takes (the codes are symmetric: −8 is never written)
@@ -146,6 +148,30 @@ def unpack_nibbles(data: torch.Tensor, count: int) -> torch.Tensor:
     return torch.where(nibbles > 7, nibbles - 16, nibbles).to(torch.int8)
 
 
+#: the largest magnitude a 2-bit code takes (the levels are −3, −1, 1, 3: symmetric, and no zero)
+INT2_MAX = 3
+
+
+def pack_crumbs(codes: torch.Tensor) -> torch.Tensor:
+    """2-bit codes in {−3, −1, 1, 3} → uint8 bytes, four per byte (value 4i + j in bits 2j..2j+1 of byte i, stored as
+    (code + 3) / 2); the unused bits after the last value are 0. ⌈n/4⌉ bytes for n codes."""
+    crumbs = ((codes.reshape(-1).to(torch.int16) + INT2_MAX) // 2) & 0x3
+    crumbs = torch.cat([crumbs, crumbs.new_zeros((-crumbs.numel()) % 4)]).view(-1, 4)
+    return (crumbs[:, 0] | (crumbs[:, 1] << 2) | (crumbs[:, 2] << 4) | (crumbs[:, 3] << 6)).to(torch.uint8)
+
+
+def unpack_crumbs(data: torch.Tensor, count: int) -> torch.Tensor:
+    """Inverse of :func:`pack_crumbs`: `count` int8 codes in {−3, −1, 1, 3}; CodecError when `data` is not
+    ⌈count/4⌉ bytes or the unused bits after the last value are not 0."""
+    if data.numel() != (count + 3) // 4:
+        raise CodecError(f"{data.numel()} bytes of 2-bit codes for {count} values ({(count + 3) // 4} expected)")
+    as_int = data.reshape(-1).to(torch.int16)
+    crumbs = torch.stack([(as_int >> shift) & 0x3 for shift in (0, 2, 4, 6)], dim=1).view(-1)
+    if bool(crumbs[count:].any()):
+        raise CodecError("2-bit codes: the unused bits after the last value are not 0")
+    return (crumbs[:count] * 2 - INT2_MAX).to(torch.int8)
+
+
 @dataclass(frozen=True)
 class ValueKind:
     """One value encoding on the wire: the codes' dtype in memory, the bits each code takes on the wire, whether
@@ -184,6 +210,7 @@ VALUE_KINDS: dict[str, ValueKind] = {kind.name: kind for kind in (
     ValueKind(Q16, torch.int16, 16, scaled=True),
     ValueKind(F8, torch.float8_e4m3fn, 8, scaled=True),
     ValueKind(Q4, torch.int8, 4, scaled=True, pack=pack_nibbles, unpack=unpack_nibbles),
+    ValueKind(Q2, torch.int8, 2, scaled=True, pack=pack_crumbs, unpack=unpack_crumbs),
 )}
 
 

@@ -26,10 +26,11 @@ def build_workload(config: ExperimentConfig) -> Workload:
 
 def run_info(config: ExperimentConfig) -> RunInfo:
     """What a strategy may check about the run: its datacenters, inner optimizer, seed, the round-trip times between
-    its datacenters, its codecs and its batch size."""
+    its datacenters, its codecs, its batch size, its inner gradient clipping and its rounds."""
     return RunInfo(datacenters=tuple(config.datacenter_names), optimizer=config.workload.optimizer, lr=config.workload.lr,
                    seed=config.run.seed, rtt_ms=datacenter_rtts(config), codecs=tuple(config.compression.codecs),
-                   batch_size=config.workload.batch_size)
+                   batch_size=config.workload.batch_size, grad_clip=config.workload.options.grad_clip,
+                   rounds=config.run.rounds)
 
 
 def datacenter_rtts(config: ExperimentConfig) -> dict[tuple[str, str], float]:

@@ -22,8 +22,10 @@ from pathlib import Path
 from typing import Any
 
 from crossdc.experiment.links import LINK_PROFILES, LinkSpec
+from crossdc.lr_schedule import LrSchedule, ScheduleError
 from crossdc.strategies.robust import DEFAULT_TRIM_FRACTION, ROBUST_AGGREGATIONS
 from crossdc.strategies.schedule import TauSchedule
+from crossdc.workloads.options import InnerOptions
 
 
 class ConfigError(ValueError):
@@ -70,6 +72,8 @@ class WorkloadSection:
     optimizer: str = "adamw"
     lr: float = 1e-3
     precision: str = "fp32"  # "bf16": bf16 autocast in local forward passes
+    #: betas, weight decay, gradient clipping and the learning-rate schedule (all default: the optimizer's own)
+    options: InnerOptions = field(default_factory=InnerOptions)
 
 
 @dataclass(frozen=True)
@@ -204,8 +208,10 @@ CONFIG_KEYS: dict[str, frozenset[str]] = {
     "run": frozenset({"name", "rounds", "seed", "eval_every", "min_replies", "round_timeout_s", "deadline",
                       "keep_best"}),
     "run.deadline": frozenset({"floor_s", "ceiling_s", "k_mad", "window", "min_history"}),
-    "workload": frozenset({"dataset", "model", "model_args", "partition", "batch_size", "optimizer", "lr", "precision"}),
+    "workload": frozenset({"dataset", "model", "model_args", "partition", "batch_size", "optimizer", "lr", "precision",
+                           "betas", "weight_decay", "grad_clip", "schedule"}),
     "workload.partition": frozenset({"kind", "alpha"}),
+    "workload.schedule": frozenset({"kind", "warmup_steps", "min_lr"}),
     "strategy": frozenset({"name", "tau", "params"}),
     "strategy.tau": frozenset({"start", "end", "warmup_rounds", "kind"}),
     "datacenters": frozenset({"name", "workers", "link", "speed", "region"}),
@@ -332,16 +338,48 @@ def _parse_workload(doc: dict[str, Any]) -> WorkloadSection:
     _positive(batch_size, "workload.batch_size")
     lr = _typed(t, "lr", float, "workload.", 1e-3)
     _positive(lr, "workload.lr")
+    optimizer = _typed(t, "optimizer", str, "workload.", "adamw")
+    options = _parse_inner_options(t, optimizer, lr)
     return WorkloadSection(
         dataset=_typed(t, "dataset", str, "workload."),
         model=_typed(t, "model", str, "workload.", None),
         model_args=dict(_typed(t, "model_args", dict, "workload.", {})),
         partition=dict(partition),
         batch_size=batch_size,
-        optimizer=_typed(t, "optimizer", str, "workload.", "adamw"),
+        optimizer=optimizer,
         lr=lr,
         precision=precision,
+        options=options,
     )
+
+
+def _parse_inner_options(t: dict[str, Any], optimizer: str, lr: float) -> InnerOptions:
+    """`[workload]`'s betas, weight_decay, grad_clip and schedule (the run's length is checked in parse_config)."""
+    betas = _typed(t, "betas", list, "workload.", None)
+    if betas is not None:
+        if len(betas) != 2 or not all(isinstance(b, (int, float)) and not isinstance(b, bool) for b in betas):
+            raise ConfigError(f"'workload.betas' must be two numbers [β1, β2], got {betas!r}")
+        betas = tuple(float(b) for b in betas)
+        if not all(0.0 <= b < 1.0 for b in betas):
+            raise ConfigError(f"'workload.betas' must each be in [0, 1), got {list(betas)!r}")
+        if optimizer != "adamw":
+            raise ConfigError(f"'workload.betas' applies to optimizer \"adamw\" only, not \"{optimizer}\"")
+    weight_decay = _typed(t, "weight_decay", float, "workload.", None)
+    if weight_decay is not None:
+        _positive(weight_decay, "workload.weight_decay", allow_zero=True)
+    grad_clip = _typed(t, "grad_clip", float, "workload.", None)
+    if grad_clip is not None:
+        _positive(grad_clip, "workload.grad_clip")
+    table = _typed(t, "schedule", dict, "workload.", {})
+    _check_keys(table, "workload.schedule", "workload.schedule.")
+    schedule = LrSchedule(kind=_typed(table, "kind", str, "workload.schedule.", "constant"),
+                          warmup_steps=_typed(table, "warmup_steps", int, "workload.schedule.", 0),
+                          min_lr=_typed(table, "min_lr", float, "workload.schedule.", 0.0))
+    try:
+        schedule.check(lr, where="workload.schedule")
+    except ScheduleError as err:
+        raise ConfigError(str(err)) from None
+    return InnerOptions(betas=betas, weight_decay=weight_decay, grad_clip=grad_clip, schedule=schedule)
 
 
 def _parse_tau(value: Any) -> TauSchedule:
@@ -601,7 +639,18 @@ def parse_config(doc: dict[str, Any]) -> ExperimentConfig:
         checkpoint=_parse_checkpoint(doc),
         raw=doc,
     )
+    try:
+        config.workload.options.schedule.check(config.workload.lr, inner_steps_planned(config), "workload.schedule")
+    except ScheduleError as err:
+        raise ConfigError(str(err)) from None
     return config
+
+
+def inner_steps_planned(config: ExperimentConfig) -> int:
+    """The inner steps each datacenter is planned to take in the whole run: τ summed over run.rounds (the horizon of
+    the inner learning-rate schedule; an asynchronous datacenter may take more or fewer, see docs)."""
+    tau = config.strategy.tau
+    return sum(tau.tau(r) for r in range(1, config.run.rounds + 1))
 
 
 def load_config(path: str | Path) -> ExperimentConfig:

@@ -58,7 +58,8 @@ def run_baseline(config: ExperimentConfig, kind: str, db_url: str, run_id: str,
     batch, steps_per_round = baseline_plan(config, kind)
     workload = build_workload(config)
     model = initial_model(config, workload)
-    trainer = LocalTrainer(workload, workload.all_training(), batch, config.workload.optimizer, config.workload.lr, config.run.seed)
+    trainer = LocalTrainer(workload, workload.all_training(), batch, config.workload.optimizer, config.workload.lr, config.run.seed,
+                           options=config.workload.options, horizon_steps=sum(steps_per_round))
     trainer.set_weights(model_weights(model))
     history: list[dict[str, Any]] = []
     with RunLog(db_url) as runlog:

@@ -108,6 +108,8 @@ class RunInfo:
     rtt_ms: Mapping[tuple[str, str], float] = field(default_factory=dict)
     codecs: tuple[str, ...] = ()  # the uplink codec pipeline ([compression] codecs)
     batch_size: int = 1  # the inner steps' batch size (workload.batch_size)
+    grad_clip: float | None = None  # the inner steps' bound on the gradient's global norm (workload.grad_clip)
+    rounds: int = 0  # the rounds planned (run.rounds; 0: not known), the horizon of an outer learning-rate schedule
 
 
 @dataclass(frozen=True)
@@ -117,7 +119,7 @@ class LocalContext:
     datacenter: str
     server_round: int
     tau: int
-    lr: float
+    lr: float  # the mean inner learning rate of this round's τ steps (the base lr unless a schedule moves it)
     parameter_names: frozenset[str]  # trainable tensors; the others (buffers) get no gradient
     state_round: int = 0  # the round the stored strategy state belongs to (0: none stored yet)
 

@@ -13,6 +13,10 @@ b ← μ·b + g (b ← g at the first step), x ← x − lr·(g + μ·b). Its mo
 checkpointable (:meth:`DiLoCo.state_dict` / :meth:`DiLoCo.load_state_dict`). With outer_lr = 1 and
 outer_momentum = 0 it is exactly FedAvg. Defaults follow the paper: outer lr 0.7, momentum 0.9.
 
+The outer learning rate may follow a schedule over the run's rounds (``outer_schedule`` constant | cosine | linear,
+``outer_warmup_rounds``, ``outer_min_lr``; :func:`crossdc.lr_schedule.lr_at` counted in outer steps, 0-based, over
+run.rounds): few outer steps with a large momentum are where a warm-up helps. The default is the constant outer_lr.
+
 Like torchft's LocalSGD → DiLoCo, the only method this overrides is the server's step (`aggregate`).
 """
 
@@ -23,6 +27,7 @@ from typing import Any
 
 import numpy as np
 
+from crossdc.lr_schedule import SCHEDULE_KINDS, lr_at
 from crossdc.strategies.aggregation import l2_norm, negate, nesterov_sgd_step
 from crossdc.strategies.base import Arrays, ClientUpdate, Parameter, RunInfo, Strategy, StrategyError
 
@@ -34,18 +39,44 @@ class DiLoCo(Strategy):
     parameters = {
         "outer_lr": Parameter(float, 0.7, "outer (server) learning rate", low=0.0),
         "outer_momentum": Parameter(float, 0.9, "outer Nesterov momentum μ (0 = plain outer SGD)", low=0.0, high=0.999),
+        "outer_schedule": Parameter(str, "constant", "the outer learning rate's decay over the run's rounds",
+                                    choices=SCHEDULE_KINDS),
+        "outer_warmup_rounds": Parameter(int, 0, "outer steps over which the outer learning rate rises linearly to "
+                                         "outer_lr", low=0),
+        "outer_min_lr": Parameter(float, 0.0, "the outer learning rate a decaying schedule ends at", low=0.0),
     }
 
     #: server state, replaced (never mutated) by each outer step: the outer momentum b, steps taken, last step's norm
     momentum_buffer: dict[str, np.ndarray] | None = None
     outer_steps = 0
     last_step_l2 = 0.0
+    last_outer_lr = 0.0
 
     def check_run(self, run: RunInfo) -> None:
         if run.optimizer != "adamw":
             raise StrategyError(f"strategy '{self.name}' needs workload.optimizer = \"adamw\" (its inner optimizer), "
                                 f"got \"{run.optimizer}\"")
+        if float(self.params["outer_min_lr"]) > float(self.params["outer_lr"]):
+            raise StrategyError(f"strategy '{self.name}': outer_min_lr ({self.params['outer_min_lr']:g}) is above "
+                                f"outer_lr ({self.params['outer_lr']:g})")
+        if run.rounds and int(self.params["outer_warmup_rounds"]) > run.rounds:
+            raise StrategyError(f"strategy '{self.name}': outer_warmup_rounds ({self.params['outer_warmup_rounds']}) is "
+                                f"longer than the run ({run.rounds} rounds)")
         super().check_run(run)
+
+    def outer_lr(self) -> float:
+        """The learning rate of the next outer step (the outer schedule at :meth:`schedule_position`)."""
+        step, horizon = self.schedule_position()
+        return lr_at(step, float(self.params["outer_lr"]), horizon, str(self.params["outer_schedule"]),
+                     int(self.params["outer_warmup_rounds"]), float(self.params["outer_min_lr"]))
+
+    def momentum(self) -> float:
+        """The outer Nesterov momentum μ (the ``outer_momentum`` parameter)."""
+        return float(self.params["outer_momentum"])
+
+    def schedule_position(self) -> tuple[int, int]:
+        """(the next outer step's place in the outer schedule, 0-based; the run's outer steps): one step a round."""
+        return self.outer_steps, self.run.rounds if self.run is not None else 0
 
     def aggregate(self, server_round: int, global_weights: Arrays, updates: Sequence[ClientUpdate],
                   mean: Arrays) -> dict[str, np.ndarray]:
@@ -59,15 +90,16 @@ class DiLoCo(Strategy):
         buffer = self.momentum_buffer or {}
         names = list(global_weights)
         previous = {n: buffer[n] for n in names} if all(n in buffer for n in names) else None
-        weights, stepped = nesterov_sgd_step(global_weights, pseudo_gradient, previous,
-                                             float(self.params["outer_lr"]), float(self.params["outer_momentum"]))
+        self.last_outer_lr = self.outer_lr()
+        weights, stepped = nesterov_sgd_step(global_weights, pseudo_gradient, previous, self.last_outer_lr,
+                                             self.momentum())
         self.momentum_buffer = {**buffer, **stepped}
         self.outer_steps += 1
         self.last_step_l2 = l2_norm({n: weights[n].astype(np.float64) - global_weights[n] for n in weights})
         return weights
 
     def round_metrics(self, server_round: int, updates: Sequence[ClientUpdate]) -> dict[str, Any]:
-        return {"outer_steps": self.outer_steps, "outer_step_l2": self.last_step_l2,
+        return {"outer_steps": self.outer_steps, "outer_step_l2": self.last_step_l2, "outer_lr": self.last_outer_lr,
                 "momentum_l2": l2_norm(self.momentum_buffer) if self.momentum_buffer is not None else 0.0}
 
     def state_dict(self) -> dict[str, Any]:

@@ -111,6 +111,9 @@ class Pipeline(Strategy):
         problem = schedule_problem(str(self.params["schedule"]), len(run.datacenters), microbatches)
         if problem is not None:
             raise StrategyError(f"strategy '{self.name}': {problem}")
+        if run.grad_clip is not None:
+            raise StrategyError(f"strategy '{self.name}' cannot clip gradients yet (workload.grad_clip): each stage holds "
+                                f"only its own layers' gradients, and the global norm across stages is not built")
         self.layers()  # a malformed list fails here; whether it fits the model is checked when the model is built
 
     def layers(self) -> list[int] | None:

@@ -80,6 +80,11 @@ class StreamingDiLoCo(DiLoCo):
                                 "discards every inner step (the merge before each send replaces the local fragment); "
                                 "use alpha > 0 or a shorter overlap")
 
+    def schedule_position(self) -> tuple[int, int]:
+        """Each fragment takes one outer step a round: the P-th outer step of a round is the round's."""
+        step, rounds = super().schedule_position()
+        return step // int(self.params["fragments"]), rounds
+
     def fragment_schedule(self) -> FragmentSchedule:
         """When each fragment is sent and merged (FragmentError if τ, P and τ_o do not fit together)."""
         return FragmentSchedule(self.schedule.end, int(self.params["fragments"]), int(self.params["overlap"]))

@@ -72,7 +72,9 @@ def train(msg: Message, context: Context) -> Message:
     w = config.workload
     # a fresh data order each round, distinct per datacenter (a user's shuffling DataLoader)
     trainer = LocalTrainer(workload, workload.shard(datacenter), w.batch_size, w.optimizer, w.lr,
-                           datacenter_seed(config, datacenter) * 1000 + server_round)
+                           datacenter_seed(config, datacenter) * 1000 + server_round, options=w.options,
+                           horizon_steps=tau * config.run.rounds)
+    trainer.inner_steps = tau * (server_round - 1)  # where the run's learning-rate schedule stands (τ is fixed here)
     trainer.set_weights(_arrays(msg.content["arrays"]))
     result = trainer.train_steps(tau)
     reply = RecordDict({"arrays": _array_record(trainer.get_weights())})

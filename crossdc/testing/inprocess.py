@@ -53,6 +53,7 @@ from crossdc.experiment.config import (
     SecuritySection,
     StrategySection,
     WorkloadSection,
+    inner_steps_planned,
 )
 from crossdc.federation.session import RoundSession
 from crossdc.protocol import TrainRequest, payload_bytes, reply_content
@@ -106,7 +107,8 @@ class InProcessFederation:
         w = config.workload
         self.seeds = dict(seeds) if seeds is not None else {dc: datacenter_seed(config, dc) for dc in self.datacenters}
         workload = self.session.workload
-        self.trainers = {dc: LocalTrainer(workload, workload.shard(dc), w.batch_size, w.optimizer, w.lr, self.seeds[dc])
+        self.trainers = {dc: LocalTrainer(workload, workload.shard(dc), w.batch_size, w.optimizer, w.lr, self.seeds[dc],
+                                          options=w.options, horizon_steps=inner_steps_planned(config))
                          for dc in self.datacenters}
         self.stores = {dc: DatacenterStateStore(state_root, run_id, dc) for dc in self.datacenters}
         self.server_round = 0
@@ -181,7 +183,7 @@ class InProcessFederation:
             start_from = (receive(model["downlink"], self.stores[dc], server_round) if "downlink" in model
                           else model["weights"])
             answer = run_local_round(self.strategy, self.trainers[dc], self.stores[dc], dc, server_round, tau,
-                                     self.config.workload.lr, start_from, request.received,
+                                     start_from, request.received,
                                      codecs=self.config.compression.codecs, codec_seed=self.seeds[dc])
             reply = reply_content(answer)
             result.compute_s[dc] = float(answer["metrics"][protocol.COMPUTE_S])

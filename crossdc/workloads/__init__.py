@@ -12,6 +12,7 @@ import importlib
 from typing import TYPE_CHECKING, Any
 
 from crossdc.workloads.errors import WorkloadError
+from crossdc.workloads.options import InnerOptions
 from crossdc.workloads.partition import dirichlet_partition, iid_partition, natural_partition
 
 if TYPE_CHECKING:
@@ -49,7 +50,7 @@ _LAZY = {
 }
 
 __all__ = [  # every name the package offers (the lazy ones load on first use)
-    "DigitsWorkload", "Mnist1dWorkload", "OPTIMIZERS", "ShakespeareWorkload", "SyntheticWorkload", "TensorWorkload",
+    "DigitsWorkload", "InnerOptions", "Mnist1dWorkload", "OPTIMIZERS", "ShakespeareWorkload", "SyntheticWorkload", "TensorWorkload",
     "Workload", "WorkloadError", "WorkloadSpec", "available_workloads", "dirichlet_partition", "evaluate",
     "iid_partition", "load_model_weights", "load_workload", "make_optimizer", "model_weights", "natural_partition",
     "register_workload",

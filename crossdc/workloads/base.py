@@ -21,6 +21,7 @@ from torch import nn
 from torch.utils.data import TensorDataset
 
 from crossdc.workloads.errors import WorkloadError
+from crossdc.workloads.options import ADAMW_BETAS, InnerOptions
 
 __all__ = [
     "WorkloadError",
@@ -32,6 +33,8 @@ __all__ = [
     "MOMENTUM",
     "evaluate",
     "make_optimizer",
+    "InnerOptions",
+    "ADAMW_BETAS",
 ]
 
 #: Weight decay of the "adamw" optimizer (torch's own AdamW default).
@@ -337,20 +340,24 @@ def evaluate(workload: Workload, model: nn.Module, batch_size: int = 512) -> tup
     return total_loss / count, correct / count
 
 
-def make_optimizer(name: str, params: Iterable[torch.Tensor] | Iterable[dict[str, Any]], lr: float) -> torch.optim.Optimizer:
-    """The local optimizer called ``name``.
+def make_optimizer(name: str, params: Iterable[torch.Tensor] | Iterable[dict[str, Any]], lr: float,
+                   options: InnerOptions | None = None) -> torch.optim.Optimizer:
+    """The local optimizer called ``name``, tuned by `options` (betas, weight decay; see InnerOptions).
 
-    - ``"sgd"``: plain SGD (no momentum, no weight decay);
-    - ``"momentum"``: SGD with heavy-ball momentum ``MOMENTUM`` (0.9), no weight decay;
-    - ``"adamw"``: ``torch.optim.AdamW`` with betas (0.9, 0.999) and weight decay
-      ``ADAMW_WEIGHT_DECAY`` (0.01, torch's default).
+    - ``"sgd"``: plain SGD (no momentum; no weight decay unless given);
+    - ``"momentum"``: SGD with heavy-ball momentum ``MOMENTUM`` (0.9; no weight decay unless given);
+    - ``"adamw"``: ``torch.optim.AdamW`` with betas ADAMW_BETAS (0.9, 0.999) and weight decay
+      ``ADAMW_WEIGHT_DECAY`` (0.01, torch's default) unless given.
 
     Unknown names raise WorkloadError (a ValueError) listing the known ones.
     """
+    options = options or InnerOptions()
+    if name not in OPTIMIZERS:
+        raise WorkloadError(f"unknown optimizer {name!r}; known: {_known(OPTIMIZERS)}")
+    options.check(name)
     if name == "sgd":
-        return torch.optim.SGD(params, lr=lr)
+        return torch.optim.SGD(params, lr=lr, weight_decay=options.weight_decay or 0.0)
     if name == "momentum":
-        return torch.optim.SGD(params, lr=lr, momentum=MOMENTUM)
-    if name == "adamw":
-        return torch.optim.AdamW(params, lr=lr, weight_decay=ADAMW_WEIGHT_DECAY)
-    raise WorkloadError(f"unknown optimizer {name!r}; known: {_known(OPTIMIZERS)}")
+        return torch.optim.SGD(params, lr=lr, momentum=MOMENTUM, weight_decay=options.weight_decay or 0.0)
+    weight_decay = ADAMW_WEIGHT_DECAY if options.weight_decay is None else options.weight_decay
+    return torch.optim.AdamW(params, lr=lr, betas=options.betas or ADAMW_BETAS, weight_decay=weight_decay)
