@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import math
+import struct
+import zlib
 
 import numpy as np
 import pytest
@@ -24,7 +26,7 @@ from crossdc.compression.lowrank import power_step
 from crossdc.compression.pipeline import CodecPipeline, decode_payload
 from crossdc.compression.quantize import int8_quantize, qsgd_quantize
 from crossdc.compression.topk import kept_count, top_positions, warmup_fraction
-from crossdc.compression.wire import CodecError
+from crossdc.compression.wire import MAX_HEADER_BYTES, CodecError
 
 
 def _update(seed: int, shapes: dict[str, tuple[int, ...]]) -> dict[str, torch.Tensor]:
@@ -278,6 +280,25 @@ def test_garbage_header_raises() -> None:
         decode_payload(corrupted, SHAPES)
     with pytest.raises(CodecError, match="magic"):
         decode_payload(b"not a payload", SHAPES)
+
+
+def _with_header(payload: np.ndarray, magic: bytes, head: bytes) -> np.ndarray:
+    (head_len,) = struct.unpack("<I", payload[4:8].tobytes())
+    return np.frombuffer(magic + struct.pack("<I", len(head)) + head + payload[8 + head_len :].tobytes(), dtype=np.uint8)
+
+
+def test_the_header_is_compressed_and_first_version_payloads_still_decode() -> None:
+    payload, _ = _payload(["topk:0.1", "int8"])
+    (head_len,) = struct.unpack("<I", payload[4:8].tobytes())
+    plain = zlib.decompress(payload[8 : 8 + head_len].tobytes())
+    assert payload[:4].tobytes() == b"CDC2" and len(plain) > head_len
+    first_version = _with_header(payload, b"CDC1", plain)
+    for name, tensor in decode_payload(first_version, SHAPES).items():
+        torch.testing.assert_close(tensor, decode_payload(payload, SHAPES)[name], rtol=0, atol=0)
+    with pytest.raises(CodecError, match="unreadable payload header"):  # trailing bytes after the compressed stream
+        decode_payload(_with_header(payload, b"CDC2", zlib.compress(plain) + b"x"), SHAPES)
+    with pytest.raises(CodecError, match="unreadable payload header"):  # inflates past MAX_HEADER_BYTES
+        decode_payload(_with_header(payload, b"CDC2", zlib.compress(b" " * (MAX_HEADER_BYTES + 1), 9)), SHAPES)
 
 
 def test_state_survives_a_restart() -> None:

@@ -93,7 +93,8 @@ class DiLoCo(Strategy):
         self.last_outer_lr = self.outer_lr()
         weights, stepped = nesterov_sgd_step(global_weights, pseudo_gradient, previous, self.last_outer_lr,
                                              self.momentum())
-        self.momentum_buffer = {**buffer, **stepped}
+        if self.momentum() > 0.0:  # without momentum the buffer is never read: neither kept nor checkpointed
+            self.momentum_buffer = {**buffer, **stepped}
         self.outer_steps += 1
         self.last_step_l2 = l2_norm({n: weights[n].astype(np.float64) - global_weights[n] for n in weights})
         return weights
