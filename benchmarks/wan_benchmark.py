@@ -177,14 +177,15 @@ def rounds_for_budget(tau: int | dict[str, int], steps: int) -> int:
     return rounds
 
 
-def experiment(method: Method, size: Size, rounds: int) -> dict[str, Any]:
-    """The experiment config (crossdc's config document) of a federated row."""
+def experiment(method: Method, size: Size, rounds: int, inner: dict[str, Any] | None = None) -> dict[str, Any]:
+    """The experiment config (crossdc's config document) of a federated row; `inner`: more [workload] keys (the inner
+    optimizer's betas, grad_clip, schedule...)."""
     return {
         "run": {"name": f"wan-{method.key}", "rounds": rounds, "seed": 0},
         "workload": {"dataset": "shakespeare", "model": "char-transformer",
                      "model_args": {"layers": 2, "d_model": 64, "heads": 4, "seq_len": 64},
                      "partition": {"kind": "natural"}, "batch_size": BATCH, "optimizer": method.optimizer,
-                     "lr": SGD_LR if method.optimizer == "sgd" else ADAMW_LR},
+                     "lr": SGD_LR if method.optimizer == "sgd" else ADAMW_LR, **(inner or {})},
         "strategy": {"name": method.strategy, "tau": tau_spec(method, size), "params": dict(method.params)},
         "compression": {"codecs": list(method.codecs), "downlink_codecs": list(method.downlink_codecs)},
         "datacenters": [{"name": name} for name in DATACENTERS],
@@ -231,14 +232,16 @@ def drive_crossdc(doc: dict[str, Any], root: Path, eval_every_steps: int) -> lis
     return rows
 
 
-def run_single_datacenter(size: Size, kind: str, root: Path) -> dict[str, Any]:
-    """Baseline `kind` (all-workers or sequential), evaluated every `eval_every_steps` per-datacenter steps."""
+def run_single_datacenter(size: Size, kind: str, root: Path, inner: dict[str, Any] | None = None) -> dict[str, Any]:
+    """Baseline `kind` (all-workers or sequential), evaluated every `eval_every_steps` per-datacenter steps; `inner` as
+    for :func:`experiment`."""
     from crossdc.db.engine import upgrade
 
     db_url = f"sqlite:///{root / f'baseline-{kind}.db'}"
     upgrade(db_url)
     rounds = size.steps // size.eval_every_steps
-    config = parse_config(experiment(Method("baseline", "", "crossdc"), replace(size, tau=size.eval_every_steps), rounds))
+    config = parse_config(experiment(Method("baseline", "", "crossdc"), replace(size, tau=size.eval_every_steps), rounds,
+                                     inner))
     history: list[dict[str, Any]] = []
     summary = run_baseline(config, kind, db_url, f"wan-baseline-{kind}", progress=lambda h: history.__setitem__(slice(None), h))
     return {"summary": summary, "history": [dict(h) for h in history]}
