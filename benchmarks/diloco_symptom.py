@@ -31,11 +31,10 @@ import platform
 import tempfile
 import time
 from concurrent.futures import ProcessPoolExecutor
-from pathlib import Path
 from typing import Any
 
 import numpy as np
-from results_file import write_results
+from results_file import merge_rows, write_results
 
 from crossdc.experiment.config import parse_config
 from crossdc.strategies.aggregation import cosine
@@ -147,9 +146,7 @@ def main() -> None:
     work = [row for name in args.rows for row in ROW_SETS[name]]
     with ProcessPoolExecutor(max_workers=args.jobs) as pool:
         fresh = list(pool.map(run_row, work))
-    kept = json.loads(Path(args.out).read_text())["rows"] if os.path.exists(args.out) else []
-    fresh_keys = {row_key(r) for r in fresh}
-    rows = [r for r in kept if row_key(r) not in fresh_keys] + fresh
+    rows = merge_rows(args.out, fresh, row_key)
     table = markdown(rows)
     write_results(args.out, {"machine": f"{platform.machine()}, {os.cpu_count()} cores", "engine": "crossdc.testing."
                              "InProcessFederation (the deployed code paths minus the transport)", "rows": rows,

@@ -26,7 +26,6 @@ Usage: python benchmarks/inner_options.py [--jobs 2] [--only KEY ...] [--out ben
 from __future__ import annotations
 
 import argparse
-import json
 import multiprocessing
 import os
 import platform
@@ -38,7 +37,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from results_file import write_results
+from results_file import merge_rows, write_results
 from wan_benchmark import SIZES, Method, RowFailed, drive_crossdc, experiment, rounds_for_budget, run_single_datacenter
 
 SIZE = SIZES["full"]
@@ -155,10 +154,8 @@ def main() -> None:
     with tempfile.TemporaryDirectory() as tmp, \
             ProcessPoolExecutor(max_workers=args.jobs, mp_context=multiprocessing.get_context("spawn")) as pool:
         fresh = list(pool.map(run_row, work, [tmp] * len(work)))
-    kept = json.loads(Path(args.out).read_text())["rows"] if os.path.exists(args.out) else []
-    done = {r["key"] for r in fresh}
     order = [row_key(*row) for row in ROWS]
-    rows = sorted([r for r in kept if r["key"] not in done] + fresh,
+    rows = sorted(merge_rows(args.out, fresh, lambda r: r["key"]),
                   key=lambda r: order.index(r["key"]) if r["key"] in order else len(order))
     table = markdown(rows)
     write_results(args.out, {"machine": f"{platform.machine()}, {os.cpu_count()} cores, torch {torch.__version__}",

@@ -19,7 +19,7 @@ import torch
 from torch.utils.data import TensorDataset
 
 from crossdc.clients.devices import autocast
-from crossdc.workloads import InnerOptions, Workload, load_model_weights, make_optimizer, model_weights
+from crossdc.workloads import InnerOptions, Workload, load_model_weights, make_optimizer, model_weights, set_lr
 
 #: the shortest sleep of the speed emulation (see LocalTrainer): the trainer runs ahead of its pace until this much
 SLEEP_QUANTUM_S = 0.2
@@ -185,7 +185,7 @@ class LocalTrainer:
                 after_backward(self.model)
             if self.options.grad_clip is not None:
                 torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.options.grad_clip)
-            self.set_lr(self.lr_now())
+            set_lr(self.optimizer, self.lr_now())
             self.optimizer.step()
             self.steps_taken += 1
             self.inner_steps += 1
@@ -231,10 +231,6 @@ class LocalTrainer:
         if schedule.kind == "constant" and self.inner_steps >= schedule.warmup_steps:
             return self.base_lr  # exactly, not a sum of equal terms divided back
         return sum(schedule.lr(self.inner_steps + k, self.base_lr, self.horizon_steps) for k in range(steps)) / steps
-
-    def set_lr(self, lr: float) -> None:
-        for group in self.optimizer.param_groups:
-            group["lr"] = lr
 
     def state_dict(self) -> dict[str, Any]:
         """Optimizer state, inner step count and data position (what must survive a restart), not the weights."""

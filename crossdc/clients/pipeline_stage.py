@@ -46,7 +46,7 @@ from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGP
 
 from crossdc.clients.local_training import BatchStream
 from crossdc.compression.activations import boundary_modules
-from crossdc.workloads import InnerOptions, Workload, make_optimizer
+from crossdc.workloads import InnerOptions, Workload, make_optimizer, set_lr
 from crossdc.workloads.stages import split_model
 
 log = logging.getLogger("crossdc.pipeline")
@@ -252,8 +252,8 @@ class StageRunner:
                 self.close()
                 raise StageFailed(f"stage {s.index} of {s.stages}: step {step} failed "
                                   f"({type(err).__name__}: {err})".splitlines()[0]) from err
-            for group in self.optimizer.param_groups:  # the schedule counts the run's steps from 0
-                group["lr"] = self.options.schedule.lr(step - 1, self.base_lr, self.horizon_steps)
+            # the schedule counts the run's steps from 0
+            set_lr(self.optimizer, self.options.schedule.lr(step - 1, self.base_lr, self.horizon_steps))
             self.optimizer.step()
             self.steps_taken = step
             losses_all += [float(loss.detach()) for loss in losses]

@@ -25,6 +25,7 @@ if TYPE_CHECKING:
         load_model_weights,
         make_optimizer,
         model_weights,
+        set_lr,
     )
     from crossdc.workloads.images import DigitsWorkload, Mnist1dWorkload
     from crossdc.workloads.registry import available_workloads, load_workload, register_workload
@@ -38,6 +39,7 @@ _LAZY = {
     "WorkloadSpec": "crossdc.workloads.base",
     "evaluate": "crossdc.workloads.base",
     "make_optimizer": "crossdc.workloads.base",
+    "set_lr": "crossdc.workloads.base",
     "model_weights": "crossdc.workloads.base",
     "load_model_weights": "crossdc.workloads.base",
     "DigitsWorkload": "crossdc.workloads.images",
@@ -53,7 +55,7 @@ __all__ = [  # every name the package offers (the lazy ones load on first use)
     "DigitsWorkload", "InnerOptions", "Mnist1dWorkload", "OPTIMIZERS", "ShakespeareWorkload", "SyntheticWorkload", "TensorWorkload",
     "Workload", "WorkloadError", "WorkloadSpec", "available_workloads", "dirichlet_partition", "evaluate",
     "iid_partition", "load_model_weights", "load_workload", "make_optimizer", "model_weights", "natural_partition",
-    "register_workload",
+    "register_workload", "set_lr",
 ]
 
 

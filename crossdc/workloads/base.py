@@ -33,6 +33,7 @@ __all__ = [
     "MOMENTUM",
     "evaluate",
     "make_optimizer",
+    "set_lr",
     "InnerOptions",
     "ADAMW_BETAS",
 ]
@@ -361,3 +362,9 @@ def make_optimizer(name: str, params: Iterable[torch.Tensor] | Iterable[dict[str
         return torch.optim.SGD(params, lr=lr, momentum=MOMENTUM, weight_decay=options.weight_decay or 0.0)
     weight_decay = ADAMW_WEIGHT_DECAY if options.weight_decay is None else options.weight_decay
     return torch.optim.AdamW(params, lr=lr, betas=options.betas or ADAMW_BETAS, weight_decay=weight_decay)
+
+
+def set_lr(optimizer: torch.optim.Optimizer, lr: float) -> None:
+    """Make `lr` the learning rate of every parameter group of `optimizer` (what a schedule does before a step)."""
+    for group in optimizer.param_groups:
+        group["lr"] = lr
