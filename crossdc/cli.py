@@ -75,11 +75,9 @@ def _load_and_check(config_path: Path) -> Any:
     from crossdc.experiment.config import load_config
 
     config = load_config(config_path)
-    from crossdc.experiment.builders import build_strategy, build_workload
+    from crossdc.experiment.builders import check_config
 
-    build_strategy(config)
-    build_workload(config)
-    return config
+    return check_config(config)
 
 
 def _print_round(rows: list[dict[str, Any]], total: int) -> None:
@@ -255,8 +253,8 @@ def resume(
     runs_dir: Path = typer.Option(Path("runs"), "--runs-dir", help="Where the run's folder is (its settings and the datacenters' state)."),
 ) -> None:
     """Continue a run whose coordinator died from its newest checkpoint, under the same run id."""
-    from crossdc.db.engine import make_engine, resolve_database_url, safe_url, upgrade
-    from crossdc.db.queries import get_run
+    from crossdc.db.engine import resolve_database_url, safe_url, upgrade
+    from crossdc.db.queries import get_run_at
     from crossdc.experiment.config import parse_config
     from crossdc.experiment.rundir import RunDir
     from crossdc.orchestration.local_run import coordinator_alive
@@ -265,11 +263,7 @@ def resume(
         fail(f"unknown engine '{engine}'; known: deployment, simulation")
     db_url = resolve_database_url(db)
     upgrade(db_url)
-    engine_ = make_engine(db_url)
-    try:
-        run = get_run(engine_, run_id)
-    finally:
-        engine_.dispose()
+    run = get_run_at(db_url, run_id)
     if run is None:
         fail(f"run '{run_id}' is not in {safe_url(db_url)}")
     if run["status"] == "finished":
@@ -306,27 +300,38 @@ def serve(
                                                       "keys there."),
     superlink_ca: Path | None = typer.Option(None, "--superlink-ca",
                                              help="CA of the SuperLink's certificate (it serves TLS when SuperNodes authenticate)."),
+    superlink: str | None = typer.Option(None, "--superlink",
+                                         help="HOST:PORT of a standing federation's SuperLink (its private Control API): "
+                                              "POST /api/runs submits runs there (and enrollments register keys there unless "
+                                              "--superlink-control names another address)."),
+    runs_dir: Path = typer.Option(Path("runs"), "--runs-dir", help="With --superlink: where submitted runs' folders go."),
 ) -> None:
-    """The JSON API (/api, OpenAPI at /docs), Prometheus /metrics and the dashboard over the run log; enrollment and
-    admin endpoints need a token (`crossdc admin create-token`)."""
+    """The JSON API (/api, OpenAPI at /docs), Prometheus /metrics and the dashboard over the run log; enrollment,
+    run submission and admin endpoints need a token (`crossdc admin create-token`)."""
     import uvicorn
 
     from crossdc.dashboard.app import create_app
     from crossdc.db.engine import absolute_database_url, resolve_database_url, safe_url
     from crossdc.deployment.superlink_control import SuperLinkControl
     from crossdc.experiment.processes import ensure_port_free
+    from crossdc.orchestration.submission import StandingFederation
 
     if (certfile is None) != (keyfile is None):
         fail("give both --certfile and --keyfile, or neither")
     url = absolute_database_url(resolve_database_url(db))
     ensure_port_free(host, port)
-    control = (SuperLinkControl(superlink_control, superlink_ca, insecure=superlink_ca is None)
-               if superlink_control is not None else None)
-    app_ = create_app(url, lock_reads=lock_reads, superlink_control=control)
+    if superlink_ca is not None and not superlink_ca.is_file():
+        fail(f"--superlink-ca {superlink_ca}: no such file")
+    registers_at = superlink_control or superlink
+    control = (SuperLinkControl(registers_at, superlink_ca, insecure=superlink_ca is None)
+               if registers_at is not None else None)
+    federation = (StandingFederation(superlink, superlink_ca, runs_dir.resolve()) if superlink is not None else None)
+    app_ = create_app(url, lock_reads=lock_reads, superlink_control=control, standing_federation=federation)
     scheme = "https" if certfile else "http"
     typer.echo(f"crossdc: serving {safe_url(url)} on {scheme}://{host}:{port}/ (API docs at /docs); reads "
                f"{'need a token' if lock_reads else 'are open'}; enrollment "
-               f"{'registers keys at ' + superlink_control if control else 'is off (no --superlink-control)'}; Ctrl-C stops",
+               f"{'registers keys at ' + registers_at if control else 'is off (no --superlink-control)'}; run submission "
+               f"{'goes to ' + superlink if federation else 'is off (no --superlink)'}; Ctrl-C stops",
                err=True)
     if scheme == "http" and host not in ("127.0.0.1", "localhost", "::1"):
         typer.echo("crossdc: warning: plain HTTP on a non-loopback address sends tokens in the clear; use --certfile/--keyfile",

@@ -24,6 +24,7 @@ from crossdc.db.security import TokenError, audit_entries, create_token, generat
 from crossdc.deployment.background_server import BackgroundServer, start_background, uvicorn_config
 from crossdc.deployment.superlink_control import PublicKeyError, SuperLinkControl, check_public_key
 from crossdc.experiment.processes import free_port
+from crossdc.orchestration.submission import StandingFederation
 
 #: a generous timeout: the suite runs its tests side by side on a small machine, and a request may wait its turn
 HTTP = httpx.Client(timeout=60.0)
@@ -62,8 +63,11 @@ def service(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Service]:
     with authenticating_superlink(tmp) as (address, certs):
         control = SuperLinkControl(address, certs.ca_cert)
         try:
+            # the open service submits runs to a SuperLink that is not there; the locked one submits none
+            nowhere = StandingFederation(f"127.0.0.1:{free_port()}", None, tmp / "runs")
             for lock in (False, True):
-                app = create_app(db_url, lock_reads=lock, superlink_control=control)
+                app = create_app(db_url, lock_reads=lock, superlink_control=control,
+                                 standing_federation=None if lock else nowhere)
                 servers.append(start_background(uvicorn_config(app, "127.0.0.1", free_port()), "api"))
             yield Service(servers[0].url, servers[1].url, db_url, tokens, control, tmp)
         finally:
@@ -127,14 +131,15 @@ def test_create_token_command_stores_only_the_hash(tmp_path: Path) -> None:
 
 
 WRITES = [("POST", "/api/datacenters"), ("DELETE", "/api/datacenters/seen-by-a-run"),
-          ("POST", "/api/datacenters/seen-by-a-run/suspend"), ("GET", "/api/audit")]
+          ("POST", "/api/datacenters/seen-by-a-run/suspend"), ("GET", "/api/audit"), ("POST", "/api/runs"),
+          ("POST", "/api/runs/run-1/stop")]
 
 
 def test_every_write_endpoint_is_in_the_list_and_needs_a_token(service: Service) -> None:
     schema = HTTP.get(f"{service.url}/openapi.json").json()
     protected = {(method.upper(), path) for path, methods in schema["paths"].items() for method in methods
                  if method != "get" or path == "/api/audit"}
-    assert protected == {(m, p.replace("seen-by-a-run", "{name}")) for m, p in WRITES}
+    assert protected == {(m, p.replace("seen-by-a-run", "{name}").replace("run-1", "{run_id}")) for m, p in WRITES}
     refused_before = sum(a["outcome"] == "refused" for a in service.audit())
     for method, path in WRITES:
         for who, status in ((None, 401), ("revoked", 401), ("read", 403)):
@@ -149,6 +154,38 @@ def test_every_write_endpoint_is_in_the_list_and_needs_a_token(service: Service)
     refusals = [a for a in service.audit() if a["outcome"] == "refused"]
     assert len(refusals) - refused_before == len(WRITES) * 4 + len(WRITES) - 1
     assert {a["actor"] for a in refusals} >= {None, "read-token", "enrollment-token"}
+
+
+def test_runs_submitted_and_stopped_only_where_they_can_be(service: Service) -> None:
+    """POST /api/runs validates the config as `crossdc run` does (422, one line naming the key) before it tries the
+    SuperLink; a SuperLink that does not answer is a 502 with the run recorded as failed; a run that is not running
+    cannot be stopped (409), an unknown one is not found (404); a service without --superlink answers 503."""
+    admin = service.headers("admin")
+    good = (Path(__file__).resolve().parents[1] / "examples" / "synthetic-2dc.toml").read_text()
+    for text, words in ((good.replace('"fedavg"', '"fedavgx"'), "fedavgx"),
+                        (good.replace("lr = 0.01", "lr = 0.01\nsurprise = 1"), "surprise"),
+                        ("[run\n", "not valid TOML"),
+                        (good.replace('name = "fedavg"\ntau = { start = 2, end = 8, warmup_rounds = 2 }', 'name = "gossip"\ntau = 4'),
+                         "standing federation")):
+        refused = HTTP.post(f"{service.url}/api/runs", json={"config": text}, headers=admin)
+        assert refused.status_code == 422 and words in refused.json()["detail"], (words, refused.text)
+        assert "\n" not in refused.json()["detail"]
+    assert HTTP.post(f"{service.url}/api/runs", json={"config": good, "extra": 1}, headers=admin).status_code == 422
+    with make_engine(service.db_url).connect() as conn:
+        runs_before = conn.exec_driver_sql("select count(*) from runs").scalar_one()
+    unreachable = HTTP.post(f"{service.url}/api/runs", json={"config": good}, headers=admin)
+    assert unreachable.status_code == 502 and "Flower refused the run" in unreachable.json()["detail"], unreachable.text
+    with make_engine(service.db_url).connect() as conn:
+        statuses = [row[0] for row in conn.exec_driver_sql("select status from runs order by started_at")]
+    assert len(statuses) == runs_before + 1 and statuses[-1] == "failed"
+    not_running = HTTP.post(f"{service.url}/api/runs/run-1/stop", headers=admin)
+    assert not_running.status_code == 409 and "no Flower run id" in not_running.json()["detail"], not_running.text
+    assert HTTP.post(f"{service.url}/api/runs/nothing/stop", headers=admin).status_code == 404
+    for path in ("/api/runs", "/api/runs/run-1/stop"):
+        off = HTTP.post(f"{service.locked_url}{path}", json={"config": good}, headers=admin)
+        assert off.status_code == 503 and "--superlink" in off.json()["detail"], off.text
+    acts = [(a["action"], a["outcome"]) for a in service.audit()]
+    assert acts.count(("submit-run", "refused")) >= 4 and ("submit-run", "failed") in acts and ("stop-run", "refused") in acts
 
 
 def test_enroll_suspend_enroll_again_revoke(service: Service) -> None:

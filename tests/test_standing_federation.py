@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import json
 import subprocess
+import time
 from pathlib import Path
 from typing import Any
 
@@ -31,6 +32,7 @@ from crossdc.deployment.superlink_control import ControlError, SuperLinkControl
 from crossdc.deployment.tls import make_certificates
 from crossdc.experiment.links import LINK_PROFILES
 from crossdc.experiment.processes import ProcessGroup, flower_env, free_port, kill_processes_with_env
+from crossdc.orchestration.submission import StandingFederation
 from crossdc.wan.network import EmulatedNetwork
 
 REPO = Path(__file__).resolve().parents[1]
@@ -77,6 +79,60 @@ def test_enrolled_datacenters_run_over_tls_and_others_are_refused(tmp_path: Path
         assert ledger_size(net, name) > 0, name
 
 
+def _flower_status_once_ended(control: SuperLinkControl, flower_run: int, within_s: float = 60) -> str:
+    """Flower's status of a run once it is no longer running (the ServerApp process ends a moment after the run log
+    records the end), or its last status after `within_s`."""
+    deadline = time.monotonic() + within_s
+    while (status := control.run_status(flower_run)[0]) == "running" and time.monotonic() < deadline:
+        time.sleep(1)
+    return status
+
+
+def _submit_through_the_api(url: str, ca: Path, admin_token: str, enrollment_token: str) -> str:
+    """POST /api/runs: refused without a token, with another role's, with a bad config (422 naming the key, as `crossdc
+    run` words it) and with a config a standing federation cannot run; accepted with a good one. The run's id."""
+    good = CONFIG.read_text()
+    with httpx.Client(base_url=url, verify=str(ca), timeout=120) as api:
+        assert api.post("/api/runs", json={"config": good}).status_code == 401
+        assert api.post("/api/runs", json={"config": good},
+                        headers={"Authorization": f"Bearer {enrollment_token}"}).status_code == 403
+        admin = {"Authorization": f"Bearer {admin_token}"}
+        bad = api.post("/api/runs", json={"config": good.replace("rounds = 3", "rounds = -1")}, headers=admin)
+        assert bad.status_code == 422 and "run.rounds" in bad.json()["detail"], bad.text
+        linked = good.replace('name = "eu-west"', 'name = "eu-west"\nlink = "metro"')
+        refused = api.post("/api/runs", json={"config": linked}, headers=admin)
+        assert refused.status_code == 422 and "standing federation" in refused.json()["detail"], refused.text
+        answer = api.post("/api/runs", json={"config": good}, headers=admin)
+        assert answer.status_code == 201, answer.text
+        submitted = answer.json()
+        assert submitted["strategy"] == "fedavg" and submitted["rounds"] == 3 and int(submitted["flower_run_id"]) > 0
+        assert api.get(f"/api/runs/{submitted['run_id']}").status_code == 200
+    return str(submitted["run_id"])
+
+
+def _stop_through_the_api(url: str, ca: Path, admin_token: str, db_url: str, run_id: str) -> int:
+    """Once the run has logged a round: POST /api/runs/{id}/stop refused without a token, done with the admin's; the
+    run ends interrupted (its ServerApp does not overwrite that), a second stop is refused. The Flower run stopped."""
+    deadline = time.monotonic() + 240
+    while not read_run(db_url, run_id)["rounds"]:
+        assert time.monotonic() < deadline, "the long run logged no round"
+        time.sleep(1)
+    with httpx.Client(base_url=url, verify=str(ca), timeout=120) as api:
+        assert api.post(f"/api/runs/{run_id}/stop").status_code == 401
+        admin = {"Authorization": f"Bearer {admin_token}"}
+        assert api.post("/api/runs/no-such-run/stop", headers=admin).status_code == 404
+        stopped = api.post(f"/api/runs/{run_id}/stop", headers=admin)
+        assert stopped.status_code == 200 and stopped.json()["status"] == "interrupted", stopped.text
+        time.sleep(10)  # the ServerApp meets the stop at its next call to the SuperLink, and ends
+        again = api.post(f"/api/runs/{run_id}/stop", headers=admin)
+        assert again.status_code == 409, again.text
+    logged = read_run(db_url, run_id)
+    assert logged["run"]["status"] == "interrupted" and "stopped through the API by 'ops'" in logged["run"]["error"]
+    assert len(logged["rounds"]) < 200
+    assert any(event["kind"] == "run-stopped" for event in logged["events"])
+    return int(stopped.json()["flower_run_id"])
+
+
 def _operate_and_enroll(tmp_path: Path, env: dict[str, str], processes: ProcessGroup, private_address: str, certs: Any,
                         db_url: str, net: EmulatedNetwork) -> dict[str, Any]:
     public, api_port = free_port(), free_port()
@@ -95,7 +151,8 @@ def _operate_and_enroll(tmp_path: Path, env: dict[str, str], processes: ProcessG
         front = start_front(f"https://127.0.0.1:{private}", coordinator, public, public_certs.server_cert,
                             public_certs.server_key, upstream_ca=certs.ca_cert)
         control = SuperLinkControl(f"127.0.0.1:{private}", certs.ca_cert)
-        app = create_app(db_url, superlink_control=control)
+        federation = StandingFederation(f"127.0.0.1:{private}", certs.ca_cert, tmp_path / "runs")
+        app = create_app(db_url, superlink_control=control, standing_federation=federation)
         service = start_background(uvicorn_config(app, coordinator, api_port, ssl_certfile=str(public_certs.server_cert),
                                                   ssl_keyfile=str(public_certs.server_key)), "api")
         made = _cli(["admin", "create-token", "--name", "enroller", "--role", "enrollment", "--db", db_url], env)
@@ -126,12 +183,9 @@ def _operate_and_enroll(tmp_path: Path, env: dict[str, str], processes: ProcessG
         assert _exits_within(stranger.process, 90) not in (None, 0)
         assert "refused this datacenter's key" in (tmp_path / "node-stranger.log").read_text()
 
-        # the run: submitted on the private address (TLS), detached, followed to its end from the run log
-        submitted = _cli(["run", str(CONFIG), "--superlink", f"127.0.0.1:{private}", "--superlink-ca", str(certs.ca_cert),
-                          "--db", db_url, "--detach", "--runs-dir", str(tmp_path / "runs")], env, timeout=180)
-        assert submitted.returncode == 0, submitted.stderr[-3000:]
-        run_id = submitted.stdout.strip().splitlines()[-1]
-        assert "crossdc runs follow" in submitted.stderr
+        # the run: submitted through crossdc's API (the service submits on the SuperLink's private address, over TLS),
+        # followed to its end from the run log; a bad config is refused as `crossdc run` refuses it
+        run_id = _submit_through_the_api(service.url, public_certs.ca_cert, admin_token, enrollment_token)
         followed = _cli(["runs", "follow", run_id, "--db", db_url], env, timeout=400)
         logs = {p.name: p.read_text(errors="replace")[-1500:] for p in tmp_path.glob("node-*.log")}
         assert followed.returncode == 0, (followed.stderr[-3000:], logs)
@@ -142,13 +196,24 @@ def _operate_and_enroll(tmp_path: Path, env: dict[str, str], processes: ProcessG
         assert len(logged["dc_rounds"]) == 6 and all(r["status"] == "ok" for r in logged["dc_rounds"])
         # Flower's own view of the run, from its Control API (what a local run checks in place of `flwr ls`)
         flower_run = parse_flower_run_ids(logged["run"]["flower_run_ids"])[-1]
-        assert control.run_status(flower_run)[0] == "finished:completed"
+        assert _flower_status_once_ended(control, flower_run) == "finished:completed"
         with pytest.raises(ControlError, match="reading the run.s status failed|no run"):
             control.run_status(flower_run + 1)
         for name in DATACENTERS:
             assert (tmp_path / name / "runs" / run_id / "run.json").exists()
         # only Fleet API calls crossed the front
         assert front.stats.refused == {} and any(path.endswith("push-messages") for path, _ in front.stats.forwarded)
+
+        # a long run submitted with `crossdc run --superlink --detach`, stopped through the API after its first round
+        long_config = tmp_path / "long.toml"
+        long_config.write_text(CONFIG.read_text().replace("rounds = 3", "rounds = 200"))
+        submitted = _cli(["run", str(long_config), "--superlink", f"127.0.0.1:{private}", "--superlink-ca", str(certs.ca_cert),
+                          "--db", db_url, "--detach", "--runs-dir", str(tmp_path / "runs")], env, timeout=180)
+        assert submitted.returncode == 0, submitted.stderr[-3000:]
+        long_run = submitted.stdout.strip().splitlines()[-1]
+        assert "crossdc runs follow" in submitted.stderr
+        stopped_flower_run = _stop_through_the_api(service.url, public_certs.ca_cert, admin_token, db_url, long_run)
+        assert _flower_status_once_ended(control, stopped_flower_run) == "finished:stopped"
 
         # the operator revokes us-east: its SuperNode is cut off, and it cannot come back with the same key
         headers = {"Authorization": f"Bearer {admin_token}"}
@@ -177,6 +242,8 @@ def _operate_and_enroll(tmp_path: Path, env: dict[str, str], processes: ProcessG
         acts = [(a["action"], a["outcome"], a["target"] or a["actor"]) for a in audit]
         assert ("enroll", "ok", "us-east") in acts and ("enroll", "ok", "eu-west") in acts
         assert ("revoke", "ok", "us-east") in acts
+        assert ("submit-run", "ok", run_id) in acts and ("submit-run", "refused", "ops") in acts
+        assert ("stop-run", "ok", long_run) in acts and ("stop-run", "refused", long_run) in acts
         assert ("DELETE /api/datacenters/us-east", "refused", "enroller") in acts
         assert sum(a["outcome"] == "refused" for a in audit) >= 2
         everything = json.dumps(audit, default=str) + "".join(

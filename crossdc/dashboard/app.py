@@ -1,9 +1,9 @@
 """The FastAPI app of `crossdc serve`: the JSON API (`/api/...`, `/metrics`) and the dashboard pages.
 
 `create_app(db_url)` promises an app that reads the SQL run log at `db_url` (SQLite or PostgreSQL)
-and writes only what its authenticated write endpoints own (enrollment, the audit log; see
-:mod:`crossdc.dashboard.enrollment`), serves its OpenAPI schema at `/openapi.json` and an interactive reference
-at `/docs` (Swagger UI served from this machine: no CDN is needed), answers unknown ids of the
+and writes only what its authenticated write endpoints own (enrollment, the audit log, submitted and stopped runs;
+see :mod:`crossdc.dashboard.enrollment` and :mod:`crossdc.dashboard.run_control`), serves its OpenAPI schema at
+`/openapi.json` and an interactive reference at `/docs` (Swagger UI served from this machine: no CDN is needed), answers unknown ids of the
 API with 404 and bad query parameters with 422, both as JSON (the HTML pages answer with HTML
 error pages).
 """
@@ -11,6 +11,7 @@ error pages).
 from __future__ import annotations
 
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import swagger_ui_bundle
 from fastapi import Depends, FastAPI
@@ -22,17 +23,22 @@ from sqlalchemy import Engine
 from crossdc.db.engine import make_engine, resolve_database_url
 from crossdc.deployment.superlink_control import SuperLinkControl
 
+if TYPE_CHECKING:  # (importing it would load torch and Flower into every service)
+    from crossdc.orchestration.submission import StandingFederation
+
 STATIC_DIR = Path(__file__).parent / "static"
 
 
 def create_app(db_url: str | None = None, *, engine: Engine | None = None, lock_reads: bool = False,
-               superlink_control: SuperLinkControl | None = None) -> FastAPI:
+               superlink_control: SuperLinkControl | None = None,
+               standing_federation: StandingFederation | None = None) -> FastAPI:
     """The API + dashboard app over the run log at `db_url` (resolved as the CLI does), or over `engine`.
 
     `lock_reads`: every read (API, /metrics, pages) needs a token too. `superlink_control`: the SuperLink that
-    enrollments register keys with (without it, enrollment answers 503).
+    enrollments register keys with (without it, enrollment answers 503). `standing_federation`: where
+    ``POST /api/runs`` submits runs (without it, submission answers 503).
     """
-    from crossdc.dashboard import api, enrollment, pages
+    from crossdc.dashboard import api, enrollment, pages, run_control
     from crossdc.dashboard.auth import read_access
 
     app = FastAPI(title="crossdc", description="Runs, rounds and datacenters of crossdc's SQL run log.", version="1",
@@ -40,9 +46,11 @@ def create_app(db_url: str | None = None, *, engine: Engine | None = None, lock_
     app.state.engine = engine if engine is not None else make_engine(resolve_database_url(db_url))
     app.state.lock_reads = lock_reads
     app.state.superlink_control = superlink_control
+    app.state.standing_federation = standing_federation
     api.install_error_handlers(app)
     app.include_router(api.router, dependencies=[Depends(read_access)])
     app.include_router(enrollment.router)
+    app.include_router(run_control.router)
     app.include_router(pages.router, dependencies=[Depends(read_access)])
     app.mount("/static/swagger-ui", StaticFiles(directory=swagger_ui_bundle.swagger_ui_path), name="swagger-ui")
     app.mount("/static", StaticFiles(directory=STATIC_DIR), name="static")

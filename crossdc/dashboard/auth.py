@@ -13,7 +13,7 @@ Promises:
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import Annotated
+from typing import Annotated, Any
 
 from fastapi import Depends, HTTPException, Request
 from fastapi.security import HTTPAuthorizationCredentials, HTTPBearer
@@ -68,6 +68,18 @@ def read_access(request: Request) -> None:
         credentials = (HTTPAuthorizationCredentials(scheme=scheme, credentials=token.strip())
                        if scheme.lower() == "bearer" and token.strip() else None)
         authenticate(request, credentials, "read")
+
+
+def audit(request: Request, action: str, outcome: str, who: TokenIdentity, target: str | None, detail: Any = None) -> None:
+    """One row of the audit log for an authenticated act: `outcome` ok, refused or failed."""
+    with request.app.state.engine.begin() as conn:
+        record_audit(conn, action, outcome, actor=who.name, target=target, client=client_address(request), detail=detail)
+
+
+def refuse(request: Request, action: str, who: TokenIdentity, target: str | None, status: int, reason: str) -> HTTPException:
+    """Audit a refusal (4xx) or failure (5xx) of an authenticated act, and the HTTP error to raise for it."""
+    audit(request, action, "failed" if status >= 500 else "refused", who, target, {"status": status, "reason": reason})
+    return HTTPException(status_code=status, detail=reason)
 
 
 Admin = Annotated[TokenIdentity, Depends(require("admin"))]

@@ -25,7 +25,7 @@ from sqlalchemy import Connection, exc, insert, select, update
 
 from crossdc.dashboard import queries
 from crossdc.dashboard.api import DatacenterInfo, ErrorBody, _503
-from crossdc.dashboard.auth import Admin, Enroller, client_address
+from crossdc.dashboard.auth import Admin, Enroller, audit, client_address, refuse
 from crossdc.db.models import DATACENTERS
 from crossdc.db.security import TokenIdentity, audit_entries, record_audit
 from crossdc.deployment.superlink_control import ControlError, PublicKeyError, SuperLinkControl, check_public_key
@@ -82,17 +82,6 @@ def _control(request: Request) -> SuperLinkControl:
     return control
 
 
-def _audit(request: Request, action: str, outcome: str, who: TokenIdentity, target: str, detail: Any = None) -> None:
-    with request.app.state.engine.begin() as conn:
-        record_audit(conn, action, outcome, actor=who.name, target=target, client=client_address(request), detail=detail)
-
-
-def _refuse(request: Request, action: str, who: TokenIdentity, target: str, status: int, reason: str) -> HTTPException:
-    """Audit a refusal or failure, and the HTTP error to raise for it."""
-    _audit(request, action, "failed" if status >= 500 else "refused", who, target, {"status": status, "reason": reason})
-    return HTTPException(status_code=status, detail=reason)
-
-
 def _row(conn: Connection, name: str) -> dict[str, Any] | None:
     row = conn.execute(select(DATACENTERS).where(DATACENTERS.c.name == name)).mappings().first()
     return dict(row) if row is not None else None
@@ -114,22 +103,22 @@ def enroll_datacenter(request: Request, body: EnrollmentRequest, who: Enroller) 
     with request.app.state.engine.connect() as conn:
         existing = _row(conn, body.name)
     if existing is not None and existing["status"] == "revoked":
-        raise _refuse(request, action, who, body.name, 409,
+        raise refuse(request, action, who, body.name, 409,
                       f"datacenter '{body.name}' was revoked for good: enroll under another name")
     if existing is not None and existing["public_key"] is not None:
         if existing["status"] != "suspended":
             hint = ("it was revoked for good: enroll under another name" if existing["status"] == "revoked"
                     else "an admin must suspend it before it enrolls again")
-            raise _refuse(request, action, who, body.name, 409,
+            raise refuse(request, action, who, body.name, 409,
                           f"datacenter '{body.name}' is already enrolled (status {existing['status']}); {hint}")
         if existing["public_key"] == public_key:
-            raise _refuse(request, action, who, body.name, 409,
+            raise refuse(request, action, who, body.name, 409,
                           f"datacenter '{body.name}' was suspended with this key; enroll again with a new key "
                           "(`crossdc enroll --new-key`)")
     try:
         node_id = control.register(public_key, body.name)
     except ControlError as err:
-        raise _refuse(request, action, who, body.name, 502, str(err)) from None
+        raise refuse(request, action, who, body.name, 502, str(err)) from None
     facts = {"region": body.region, "gpus": body.gpus, "public_key": public_key, "status": "active",
              "enrolled_at": queries.utcnow(), "node_id": str(node_id),
              "link_bandwidth_mbps": body.link_bandwidth_mbps, "link_rtt_ms": body.link_rtt_ms}
@@ -153,10 +142,10 @@ def enroll_datacenter(request: Request, body: EnrollmentRequest, who: Enroller) 
         except ControlError as control_err:
             undone = f"its registration (node {node_id}) could not be undone: {control_err}"
         if isinstance(err, exc.IntegrityError):
-            raise _refuse(request, action, who, body.name, 409,
+            raise refuse(request, action, who, body.name, 409,
                           f"datacenter '{body.name}' was enrolled or changed concurrently; {undone}") from None
         try:
-            _audit(request, action, "failed", who, body.name, {"status": 503, "reason": f"database: {undone}"})
+            audit(request, action, "failed", who, body.name, {"status": 503, "reason": f"database: {undone}"})
         finally:
             raise HTTPException(status_code=503, detail=f"the database did not record the enrollment; {undone}") from None
     return _info(request, body.name)
@@ -168,11 +157,11 @@ def _cut_off(request: Request, name: str, who: TokenIdentity, action: str, allow
     with request.app.state.engine.connect() as conn:
         row = _row(conn, name)
     if row is None:
-        raise _refuse(request, action, who, name, 404, f"datacenter '{name}' not found")
+        raise refuse(request, action, who, name, 404, f"datacenter '{name}' not found")
     if row["status"] == new_status:
         return _info(request, name)  # asked twice: already done
     if row["status"] not in allowed_from:
-        raise _refuse(request, action, who, name, 409, f"datacenter '{name}' is {row['status']}; cannot {action} it")
+        raise refuse(request, action, who, name, 409, f"datacenter '{name}' is {row['status']}; cannot {action} it")
     control = _control(request)
     node_id: str | None = row["node_id"]
     try:
@@ -184,7 +173,7 @@ def _cut_off(request: Request, name: str, who: TokenIdentity, action: str, allow
         except ControlError:
             gone = False
         if not gone:
-            raise _refuse(request, action, who, name, 502, str(err)) from None
+            raise refuse(request, action, who, name, 502, str(err)) from None
     with request.app.state.engine.begin() as conn:
         conn.execute(update(DATACENTERS).where(DATACENTERS.c.name == name).values(status=new_status, node_id=None))
         record_audit(conn, action, "ok", actor=who.name, target=name, client=client_address(request),

@@ -65,6 +65,17 @@ def get_run(bind: Bind, run_id: str) -> dict[str, Any] | None:
     return rows[0] if rows else None
 
 
+def get_run_at(db_url: str, run_id: str) -> dict[str, Any] | None:
+    """The ``runs`` row of ``run_id`` in the database at `db_url` (read over an engine made for it), or ``None``."""
+    from crossdc.db.engine import make_engine
+
+    engine = make_engine(db_url)
+    try:
+        return get_run(engine, run_id)
+    finally:
+        engine.dispose()
+
+
 def list_runs(bind: Bind, *, limit: int | None = None) -> list[dict[str, Any]]:
     """All runs, newest first."""
     stmt = select(_RUNS).order_by(_RUNS.c.started_at.desc(), _RUNS.c.id)
@@ -152,6 +163,7 @@ def parse_flower_run_ids(text: str | None) -> list[int]:
 
 __all__ = [
     "get_run",
+    "get_run_at",
     "list_async_updates",
     "list_checkpoints",
     "list_fragment_exchanges",

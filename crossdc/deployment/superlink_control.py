@@ -99,5 +99,15 @@ class SuperLinkControl:
         text = f"{status.status}:{status.sub_status}" if status.sub_status else status.status
         return str(text), str(status.details)
 
+    def stop_run(self, run_id: int) -> None:
+        """Stop a Flower run: the SuperLink marks it ``finished:stopped`` and refuses its ServerApp's next call, so
+        the ServerApp ends (its SuperNodes stay, ready for the next run). ControlError if the SuperLink did not stop it
+        (no such run, already finished, unreachable)."""
+        from flwr.proto.control_pb2 import StopRunRequest
+
+        answer = self._call("stopping the run", self._client.StopRun, StopRunRequest(run_id=run_id))
+        if not answer.success:
+            raise ControlError(f"SuperLink {self.address}: run {run_id} was not stopped")
+
     def close(self) -> None:
         self._client.close()

@@ -63,6 +63,15 @@ def build_strategy(config: ExperimentConfig) -> Strategy:
     return strategy
 
 
+def check_config(config: ExperimentConfig) -> ExperimentConfig:
+    """`config` once what it names is built (its strategy with its parameters, its workload), so a bad name or
+    parameter fails before anything starts (StrategyError or WorkloadError with one line); every way a run is
+    started checks a config this way."""
+    build_strategy(config)
+    build_workload(config)
+    return config
+
+
 def initial_model(config: ExperimentConfig, workload: Workload) -> torch.nn.Module:
     """The global model at round 0: the same weights for every strategy given the seed."""
     torch.manual_seed(config.run.seed)

@@ -662,10 +662,15 @@ def load_config(path: str | Path) -> ExperimentConfig:
         raise ConfigError(f"config file not found: {path}") from None
     except OSError as err:
         raise ConfigError(f"cannot read config file {path}: {err.strerror}") from None
+    return parse_config_text(text, str(path))
+
+
+def parse_config_text(text: str, source: str = "the config") -> ExperimentConfig:
+    """Read and validate the TOML text of an experiment config (`source` names it in the error of invalid TOML)."""
     try:
         doc = tomllib.loads(text)
     except tomllib.TOMLDecodeError as err:
-        raise ConfigError(f"{path} is not valid TOML: {err}") from None
+        raise ConfigError(f"{source} is not valid TOML: {err}") from None
     return parse_config(doc)
 
 

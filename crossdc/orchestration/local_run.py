@@ -46,7 +46,7 @@ from crossdc.clients import supernode
 from crossdc.clients.channel import TrainerUnavailable, call_trainer
 from crossdc.db.engine import absolute_database_url, make_engine, upgrade
 from crossdc.db.errors import DatabaseUnavailable
-from crossdc.db.queries import get_run, list_rounds
+from crossdc.db.queries import get_run, get_run_at, list_rounds
 from crossdc.db.runlog import RunLog
 from crossdc.deployment.superlink_control import ControlError, SuperLinkControl
 from crossdc.experiment.config import ExperimentConfig
@@ -498,15 +498,7 @@ class LocalRun:
     # --------------------------------------------------------------- driver
     def execute(self) -> LocalRunResult:
         """Run the experiment to its end; always stop every process; never leave the run 'running'."""
-        loop = strategy_class(self.config.strategy.name).loop
-        if loop in ("gossip", "pipeline") and (self.options.superlink is not None or self.options.engine != "deployment"):
-            raise RunFailed(f"strategy '{self.config.strategy.name}' ({loop}) runs on a local deployment only so far "
-                            "(--engine deployment, no --superlink): on a standing federation or in Flower's simulation "
-                            "it is not implemented yet")
-        crowded = [dc.name for dc in self.config.datacenters if dc.workers != 1]
-        if loop == "pipeline" and crowded:
-            raise RunFailed(f"a pipeline stage runs on one worker: {', '.join(crowded)} have more (data parallel inside "
-                            "a stage is not built yet)")
+        refuse_unsupported(self.config, self.options.engine, standing=self.options.superlink is not None)
         if self.options.superlink is not None:
             return self._execute_on_standing_federation()
         prepared = False
@@ -538,14 +530,13 @@ class LocalRun:
         """Submit to a running SuperLink whose SuperNodes (`crossdc node start`) bring their own trainers; follow
         the run in SQL. Ctrl-C (or `detach`) stops following, never the run."""
         assert self.options.superlink is not None
-        if self.options.engine != "deployment":
-            raise RunFailed("a standing federation runs on Flower's Deployment Engine (--engine deployment)")
-        if self.config.link_faults or self.config.links or any(dc.link for dc in self.config.datacenters):
-            raise RunFailed("links and link faults are emulated only for local runs; a standing federation has real links")
         self.prepare()
         self.write_flower_app(self.options.superlink, self.options.superlink_ca)
         try:
             flower_run_id = self.submit()
+            with RunLog(self.options.db_url) as runlog:  # known at once, so the run can be stopped before it starts
+                runlog.add_flower_run_id(run_id=self.run_id, flower_run_id=flower_run_id)
+                runlog.flush(timeout=30)
         except Exception as err:
             self._mark_ended("failed", f"{type(err).__name__}: {err}".splitlines()[0])
             raise
@@ -594,30 +585,51 @@ class LocalRun:
             )
         except SystemExit as exit_:  # Flower ends the process on some errors (e.g. missing simulation extras)
             raise RunFailed(f"Flower's simulation engine exited with code {exit_.code}; see the log above") from None
-        engine = make_engine(self.options.db_url)
-        try:
-            run = get_run(engine, self.run_id)
-        finally:
-            engine.dispose()
+        run = get_run_at(self.options.db_url, self.run_id)
         if not run or run["status"] != "finished":
             raise RunFailed(f"run {self.run_id} {run['status'] if run else 'missing'}: {(run or {}).get('error') or 'see the log'}")
         return dict(run.get("result") or {})
 
     def _mark_ended(self, status: str, error: str) -> None:
         """Record how the run ended if the ServerApp could not (it was killed, or never started)."""
-        engine = make_engine(self.options.db_url)
         try:
-            run = get_run(engine, self.run_id)
-            if run is None or run["status"] == "running":
-                runlog = RunLog(self.options.db_url)
-                runlog.log_event(run_id=self.run_id, kind="run-" + status, detail=error)
-                runlog.finish_run(run_id=self.run_id, status=status, error=error)
-                runlog.flush(timeout=30)
-                runlog.close(timeout=1)
+            record_run_end(self.options.db_url, self.run_id, status, error)
         except (OperationalError, DatabaseUnavailable, TimeoutError) as err:
             log.warning("could not record that run %s %s: %s", self.run_id, status, err)
-        finally:
-            engine.dispose()
+
+
+def record_run_end(db_url: str, run_id: str, status: str, error: str, event: str | None = None,
+                   detail: Any = None) -> bool:
+    """End a run that is still ``running`` in the run log as `status` (interrupted, failed) with `error`, and log the
+    event `event` (default ``run-<status>``, detail `error` unless `detail` is given); True if it was running. The
+    first final status wins (:meth:`RunLog.finish_run`), so a ServerApp ending later cannot overwrite it. Database
+    errors (OperationalError, DatabaseUnavailable, TimeoutError) reach the caller."""
+    run = get_run_at(db_url, run_id)
+    if run is not None and run["status"] != "running":
+        return False
+    with RunLog(db_url) as runlog:
+        runlog.log_event(run_id=run_id, kind=event or "run-" + status, detail=error if detail is None else detail)
+        runlog.finish_run(run_id=run_id, status=status, error=error)
+        runlog.flush(timeout=30)
+    return True
+
+
+def refuse_unsupported(config: ExperimentConfig, engine: str = "deployment", standing: bool = False) -> None:
+    """RunFailed, with one line, if `config` cannot run this way: on `engine` (deployment or simulation), on a standing
+    federation (`standing`: submitted to a SuperLink whose SuperNodes bring their own trainers) or here at all."""
+    loop = strategy_class(config.strategy.name).loop
+    if loop in ("gossip", "pipeline") and (standing or engine != "deployment"):
+        raise RunFailed(f"strategy '{config.strategy.name}' ({loop}) runs on a local deployment only so far "
+                        "(--engine deployment, no --superlink): on a standing federation or in Flower's simulation "
+                        "it is not implemented yet")
+    crowded = [dc.name for dc in config.datacenters if dc.workers != 1]
+    if loop == "pipeline" and crowded:
+        raise RunFailed(f"a pipeline stage runs on one worker: {', '.join(crowded)} have more (data parallel inside "
+                        "a stage is not built yet)")
+    if standing and engine != "deployment":
+        raise RunFailed("a standing federation runs on Flower's Deployment Engine (--engine deployment)")
+    if standing and (config.link_faults or config.links or any(dc.link for dc in config.datacenters)):
+        raise RunFailed("links and link faults are emulated only for local runs; a standing federation has real links")
 
 
 COORDINATOR_PID_FILE = "coordinator.pid"
