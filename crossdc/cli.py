@@ -251,12 +251,15 @@ def resume(
     port: int = typer.Option(8000, "--port", min=1, max=65535, help="Port of the local SuperLink."),
     engine: str = typer.Option("deployment", "--engine", help="deployment or simulation (as the run used)."),
     runs_dir: Path = typer.Option(Path("runs"), "--runs-dir", help="Where the run's folder is (its settings and the datacenters' state)."),
+    detach: bool = typer.Option(False, "--detach",
+                                help="A run on a standing federation: return once it is resubmitted; follow with `crossdc runs follow`."),
 ) -> None:
-    """Continue a run whose coordinator died from its newest checkpoint, under the same run id."""
+    """Continue a run whose coordinator died (or that was stopped) from its newest checkpoint, under the same run id; a
+    run on a standing federation is resubmitted to the SuperLink it ran on, its datacenters' nodes carry on."""
     from crossdc.db.engine import resolve_database_url, safe_url, upgrade
     from crossdc.db.queries import get_run_at
     from crossdc.experiment.config import parse_config
-    from crossdc.experiment.rundir import RunDir
+    from crossdc.experiment.rundir import SETTINGS_SUPERLINK, SETTINGS_SUPERLINK_CA, RunDir
     from crossdc.orchestration.local_run import coordinator_alive
 
     if engine not in ("deployment", "simulation"):
@@ -277,12 +280,28 @@ def resume(
     config = parse_config(settings["config"])
     if config.checkpoint.every_rounds <= 0 or not settings.get("checkpoint_url"):
         fail(f"run '{run_id}' took no checkpoints ([checkpoint] every_rounds = 0): nothing to resume from")
-    from crossdc.experiment.builders import build_strategy
+    from crossdc.experiment.builders import check_config
 
-    build_strategy(config)  # an asynchronous strategy refuses checkpoints (not implemented yet)
-    typer.echo(f"run {run_id}: resuming {config.run.name} from its newest checkpoint", err=True)
-    summary = _run_experiment(config, db_url, engine, port, runs_dir, quiet=as_json, run_id=run_id, resume=True)
-    typer.echo(f"run {summary['run_id']} finished", err=True)
+    check_config(config)
+    superlink: str | None = settings.get(SETTINGS_SUPERLINK)
+    superlink_ca = Path(settings[SETTINGS_SUPERLINK_CA]) if settings.get(SETTINGS_SUPERLINK_CA) else None
+    if detach and superlink is None:
+        fail("--detach resumes a run on a standing federation only (this run ran on this machine)")
+    if superlink is not None:
+        from crossdc.orchestration.submission import StandingFederation
+
+        federation = StandingFederation(superlink, superlink_ca, runs_dir.resolve())
+        if (status := federation.unfinished_status(run)) is not None:
+            fail(f"run '{run_id}' is still {status} on the SuperLink {superlink}; stop it before resuming "
+                 f"(POST /api/runs/{run_id}/stop)")
+    where = f" on the SuperLink {superlink}" if superlink else ""
+    typer.echo(f"run {run_id}: resuming {config.run.name} from its newest checkpoint{where}", err=True)
+    summary = _run_experiment(config, db_url, engine, port, runs_dir, quiet=as_json, run_id=run_id, resume=True,
+                              superlink=superlink, superlink_ca=superlink_ca, detach=detach)
+    if summary.get("detached"):
+        typer.echo(f"run {run_id} resubmitted to {superlink}; follow it with: crossdc runs follow {run_id}", err=True)
+    else:
+        typer.echo(f"run {summary['run_id']} finished", err=True)
     typer.echo(json.dumps(_jsonable(summary)) if as_json else summary["run_id"])
 
 

@@ -130,6 +130,14 @@ def read_run(db_url: str, run_id: str) -> dict[str, Any]:
         engine.dispose()
 
 
+def rounds_logged(db_url: str, run_id: str) -> int:
+    """How many ``rounds`` rows (versions, for an asynchronous run) the run has logged; 0 while it cannot be read."""
+    try:
+        return len(read_run(db_url, run_id)["rounds"])
+    except Exception:
+        return 0
+
+
 def processes_mentioning(*texts: str) -> list[str]:
     """"pid: command line" of live processes (not this one) whose command line contains every one of `texts`."""
     found = []

@@ -151,8 +151,8 @@ CASES: dict[str, tuple[str | None, list[str], tuple[str, ...]]] = {
                            ("strategy 'diloco' needs workload.optimizer = \"adamw\"", "\"sgd\"")),
     "zero-datacenters": (BASE.split("[[datacenters]]")[0], [], ("no datacenters",)),
     "invalid-toml": (BASE.replace("[run]", "[run"), [], ("not valid TOML",)),
-    "not-implemented": (BASE.replace('name = "fedavg"', 'name = "fedasync"') + '\n[checkpoint]\nevery_rounds = 5\n', [],
-                        ("'checkpoint.every_rounds'", "not implemented yet", "fedasync")),
+    "not-implemented": (BASE.replace('name = "fedavg"', 'name = "fedasync"') + '\n[security]\nnorm_rejection_factor = 3\n', [],
+                        ("'security.norm_rejection_factor'", "not implemented yet", "fedasync")),
     "streaming-alpha": (BASE.replace('name = "fedavg"\ntau = 1',
                                      'name = "streaming-diloco"\ntau = 4\nparams = { overlap = 2, alpha = 0.0 }')
                         .replace('optimizer = "sgd"', 'optimizer = "adamw"'), [],

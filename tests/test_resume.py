@@ -12,7 +12,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from conftest import CROSSDC, read_run, run_and_kill_when
+from conftest import CROSSDC, read_run, rounds_logged, run_and_kill_when
 
 from crossdc.clients.state_store import DatacenterStateStore, StateStoreError
 from crossdc.experiment.processes import free_port, kill_processes_with_env
@@ -38,13 +38,6 @@ def _config(tmp: Path) -> Path:
     path = tmp / "resume.toml"
     path.write_text(text)
     return path
-
-
-def _rounds_logged(db_url: str, run_id: str) -> int:
-    try:
-        return len(read_run(db_url, run_id)["rounds"])
-    except Exception:
-        return 0
 
 
 def test_state_store_keeps_history_and_rewinds(tmp_path: Path) -> None:
@@ -86,7 +79,7 @@ def test_killed_coordinator_resumes_to_the_same_model(tmp_path: Path) -> None:
 
         # the same run, its coordinator SIGKILLed once round 5 is logged (checkpoints of rounds 2 and 4 exist)
         runs = tmp_path / "runs"
-        run_id = run_and_kill_when(config, db_url, runs, env, lambda run: _rounds_logged(db_url, run) >= 5,
+        run_id = run_and_kill_when(config, db_url, runs, env, lambda run: rounds_logged(db_url, run) >= 5,
                                     within_s=200, poll_s=0.2)
         time.sleep(1.0)
         kill_processes_with_env(MARKER, str(tmp_path))  # what the dead coordinator's children left (they die with it)

@@ -39,6 +39,8 @@ REPO = Path(__file__).resolve().parents[1]
 CONFIG = REPO / "examples" / "synthetic-2dc.toml"
 MARKER = "CROSSDC_TEST_STANDING_FEDERATION"
 DATACENTERS = ("us-east", "eu-west")
+#: the run stopped through the API and resumed
+LONG_ROUNDS = 8
 #: slots of this module's emulated WANs (see tests/namespaced.py)
 SLOT_BASE = 160
 
@@ -111,10 +113,10 @@ def _submit_through_the_api(url: str, ca: Path, admin_token: str, enrollment_tok
 
 
 def _stop_through_the_api(url: str, ca: Path, admin_token: str, db_url: str, run_id: str) -> int:
-    """Once the run has logged a round: POST /api/runs/{id}/stop refused without a token, done with the admin's; the
+    """Once the run has logged 3 rounds: POST /api/runs/{id}/stop refused without a token, done with the admin's; the
     run ends interrupted (its ServerApp does not overwrite that), a second stop is refused. The Flower run stopped."""
     deadline = time.monotonic() + 240
-    while not read_run(db_url, run_id)["rounds"]:
+    while len(read_run(db_url, run_id)["rounds"]) < 3:
         assert time.monotonic() < deadline, "the long run logged no round"
         time.sleep(1)
     with httpx.Client(base_url=url, verify=str(ca), timeout=120) as api:
@@ -128,7 +130,7 @@ def _stop_through_the_api(url: str, ca: Path, admin_token: str, db_url: str, run
         assert again.status_code == 409, again.text
     logged = read_run(db_url, run_id)
     assert logged["run"]["status"] == "interrupted" and "stopped through the API by 'ops'" in logged["run"]["error"]
-    assert len(logged["rounds"]) < 200
+    assert len(logged["rounds"]) < LONG_ROUNDS
     assert any(event["kind"] == "run-stopped" for event in logged["events"])
     return int(stopped.json()["flower_run_id"])
 
@@ -204,9 +206,11 @@ def _operate_and_enroll(tmp_path: Path, env: dict[str, str], processes: ProcessG
         # only Fleet API calls crossed the front
         assert front.stats.refused == {} and any(path.endswith("push-messages") for path, _ in front.stats.forwarded)
 
-        # a long run submitted with `crossdc run --superlink --detach`, stopped through the API after its first round
+        # a longer run submitted with `crossdc run --superlink --detach`, stopped through the API after its third round
+        # (its checkpoint of round 2 taken), then resumed on the same SuperLink and nodes with `crossdc resume`
         long_config = tmp_path / "long.toml"
-        long_config.write_text(CONFIG.read_text().replace("rounds = 3", "rounds = 200"))
+        long_config.write_text(CONFIG.read_text().replace("rounds = 3", f"rounds = {LONG_ROUNDS}")
+                               + f'\n[checkpoint]\nevery_rounds = 2\ndir = "{tmp_path / "checkpoints"}"\n')
         submitted = _cli(["run", str(long_config), "--superlink", f"127.0.0.1:{private}", "--superlink-ca", str(certs.ca_cert),
                           "--db", db_url, "--detach", "--runs-dir", str(tmp_path / "runs")], env, timeout=180)
         assert submitted.returncode == 0, submitted.stderr[-3000:]
@@ -214,6 +218,18 @@ def _operate_and_enroll(tmp_path: Path, env: dict[str, str], processes: ProcessG
         assert "crossdc runs follow" in submitted.stderr
         stopped_flower_run = _stop_through_the_api(service.url, public_certs.ca_cert, admin_token, db_url, long_run)
         assert _flower_status_once_ended(control, stopped_flower_run) == "finished:stopped"
+        resumed = _cli(["resume", long_run, "--db", db_url, "--runs-dir", str(tmp_path / "runs"), "--json"], env, timeout=400)
+        assert resumed.returncode == 0, resumed.stderr[-3000:]
+        assert f"on the SuperLink 127.0.0.1:{private}" in resumed.stderr
+        assert json.loads(resumed.stdout.strip().splitlines()[-1])["rounds"] == LONG_ROUNDS
+        relogged = read_run(db_url, long_run)
+        assert relogged["run"]["status"] == "finished"
+        assert [r["round"] for r in relogged["rounds"]] == list(range(1, LONG_ROUNDS + 1))
+        assert sorted((r["round"], r["datacenter"]) for r in relogged["dc_rounds"]) == sorted(
+            (r, dc) for r in range(1, LONG_ROUNDS + 1) for dc in DATACENTERS)
+        resumes = [e for e in relogged["events"] if e["kind"] == "resumed"]
+        assert len(resumes) == 1 and resumes[0]["detail"]["attempt"] == 2 and resumes[0]["round"] >= 2
+        assert len(parse_flower_run_ids(relogged["run"]["flower_run_ids"])) == 2
 
         # the operator revokes us-east: its SuperNode is cut off, and it cannot come back with the same key
         headers = {"Authorization": f"Bearer {admin_token}"}

@@ -7,12 +7,16 @@ Numpy only on this side, so a ClientApp never imports torch.
 
 from __future__ import annotations
 
+import errno
 import logging
 import time
 from collections.abc import Callable
 from multiprocessing.connection import Client, Listener
 from pathlib import Path
 from typing import Any
+
+#: accept() errors that mean the listening socket itself is gone (not one client's failed handshake)
+_LISTENER_GONE = {errno.EBADF, errno.EINVAL, errno.ENOTSOCK}
 
 
 class TrainerUnavailable(RuntimeError):
@@ -53,9 +57,12 @@ def serve_requests(listener: Listener, handle: Callable[[dict[str, Any]], dict[s
     while True:
         try:
             connection = listener.accept()
-        except OSError:  # the listener was closed: the service is stopping
-            return
-        except Exception as err:  # a failed authentication must not stop the service
+        except Exception as err:
+            # Listener.close() (the service stopping) leaves no socket to accept on; any other failure is one client's
+            # handshake (a wrong key, a malformed or oversized frame, a client that hung up: AuthenticationError, EOFError,
+            # OSError "bad message length", BrokenPipeError...): that client is refused and the service goes on
+            if listener._listener is None or (isinstance(err, OSError) and err.errno in _LISTENER_GONE):
+                return
             log.warning("rejected a connection: %s", err)
             continue
         with connection:

@@ -170,6 +170,7 @@ class DatacenterTrainer:
             log.info("%s: resumed run: local state rewound to round %d (%s)", self.datacenter, to_round, changed)
             self._stop_group(graceful=True)
             self._start_group()
+        self.last_round = min(self.last_round, to_round)  # rounds after it are trained again, also without state
 
     def _stored_attempt(self) -> int:
         """The newest attempt at the run this datacenter served (kept beside its state: a restarted trainer knows)."""

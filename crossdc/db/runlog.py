@@ -270,6 +270,11 @@ def _op_forget_rounds_after(conn: Connection, v: dict[str, Any]) -> None:
         conn.execute(delete(table).where(table.c.run_id == v["run_id"], table.c.round > v["round"]))
 
 
+def _op_forget_versions_after(conn: Connection, v: dict[str, Any]) -> None:
+    conn.execute(delete(_DC_ROUNDS).where(_DC_ROUNDS.c.run_id == v["run_id"], _DC_ROUNDS.c.round >= v["version"]))
+    conn.execute(delete(_ASYNC).where(_ASYNC.c.run_id == v["run_id"], _ASYNC.c.seq > v["seq"]))
+
+
 def _op_checkpoint(conn: Connection, v: dict[str, Any]) -> None:
     _upsert(conn, _CHECKPOINTS, v, ("run_id", "round"))
 
@@ -437,6 +442,15 @@ class RunLog:
         checkpoint of ``round`` trains them again, and each round is in the log once."""
         self._put("forget_rounds_after", _op_forget_rounds_after,
                   {"run_id": _text("run_id", run_id), "round": _int("round", round, nullable=False, minimum=0)})
+
+    def forget_versions_after(self, *, run_id: str, version: int, seq: int) -> None:
+        """For an asynchronous run resumed from the checkpoint of `version` (taken once `seq` replies had arrived):
+        delete what :meth:`forget_rounds_after` leaves of what came after it, the ``datacenter_rounds`` rows of
+        `version` on (a version's rows are written when the next one is made) and the ``async_updates`` rows after
+        `seq`; the resumed run logs them again, each once."""
+        self._put("forget_versions_after", _op_forget_versions_after,
+                  {"run_id": _text("run_id", run_id), "version": _int("version", version, nullable=False, minimum=0),
+                   "seq": _int("seq", seq, nullable=False, minimum=0)})
 
     def add_flower_run_id(self, *, run_id: str, flower_run_id: int) -> None:
         """Append a Flower run id (unsigned 64-bit) to the run's ``flower_run_ids`` (stored as text)."""

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import re
 import ssl
 from collections import Counter
 from collections.abc import AsyncIterator
@@ -51,9 +52,15 @@ class FrontStats:
     refused: Counter = field(default_factory=Counter)  # (method, path) → count
 
 
+#: a Fleet API method's (decoded) path: one segment of letters, digits, '-' and '_' (flwr's are like ``pull-messages``).
+#: Nothing else passes: the path is forwarded as decoded here, so a '%', '?', '#' or '..' in it would reach the
+#: SuperLink as another path (``/v1/fleet/%252e%252e/control/...`` arrives there as ``/v1/fleet/%2e%2e/control/...``).
+_FLEET_PATH = re.compile(re.escape(FLEET_PREFIX) + r"[A-Za-z0-9_-]+")
+
+
 def is_fleet_request(method: str, path: str) -> bool:
     """Whether a request may pass the front: a POST to a Fleet API method."""
-    return method == "POST" and path.startswith(FLEET_PREFIX) and ".." not in path and len(path) > len(FLEET_PREFIX)
+    return method == "POST" and _FLEET_PATH.fullmatch(path) is not None
 
 
 def create_front(upstream: str, stats: FrontStats | None = None, timeout_s: float = 120.0,

@@ -54,9 +54,6 @@ def build_strategy(config: ExperimentConfig) -> Strategy:
     strategy = strategy_class(s.name)(tau=s.tau, params=s.params, run=run_info(config),
                                       robust_aggregation=config.security.robust_aggregation,
                                       trim_fraction=config.security.trim_fraction)
-    if strategy.loop == "async" and config.checkpoint.every_rounds:
-        raise StrategyError(f"'checkpoint.every_rounds' (checkpoints and resume) is not implemented yet for the "
-                            f"asynchronous strategy '{s.name}'")
     if strategy.loop == "async" and config.security.norm_rejection_factor:
         raise StrategyError(f"'security.norm_rejection_factor' (a check across a round's updates) is not implemented yet "
                             f"for the asynchronous strategy '{s.name}'")

@@ -24,6 +24,10 @@ SETTINGS_GOSSIP_ADDRESSES = "gossip_addresses"
 #: first stage's rendezvous) and each datacenter's network interface toward the others (``interfaces``: name or
 #: null for gloo's default)
 SETTINGS_PIPELINE_GROUP = "pipeline_group"
+#: the run's settings keys of a run on a standing federation: its SuperLink's private Control API address
+#: (HOST:PORT) and the CA of its certificate (null: plain HTTP); absent for a run this machine hosts itself
+SETTINGS_SUPERLINK = "superlink"
+SETTINGS_SUPERLINK_CA = "superlink_ca"
 
 # sun_path holds 108 bytes including the terminating NUL
 _MAX_UNIX_PATH = 100

@@ -69,6 +69,7 @@ from crossdc.db.runlog import RunLog
 from crossdc.experiment.config import ExperimentConfig
 from crossdc.experiment.rundir import RunDir
 from crossdc.federation.grid_io import POLL_INTERVAL_S, FederationError, Reply, pull_replies, rediscover
+from crossdc.federation.server_checkpoint import SETTINGS_ATTEMPT, SETTINGS_RESUME, ServerCheckpointer
 from crossdc.federation.session import merge_rows, update_cosines
 from crossdc.federation.sync_loop import MAX_ROUNDS_WITHOUT_UPDATES, start_session
 from crossdc.protocol import payload_bytes
@@ -113,6 +114,16 @@ class AsyncFederation:
         self.version = 0
         self.seq = 0
         self.tasks_sent = {name: 0 for name in self.nodes}
+        #: per datacenter, the number of its newest task whose reply (or timeout) the loop has handled
+        self.handled = {name: 0 for name in self.nodes}
+        #: `handled` as it was at each retained checkpoint's version (a resume to one rewinds each datacenter to it)
+        self.handled_at: dict[int, dict[str, int]] = {}
+        settings = run_dir.settings()
+        self.attempt = int(settings.get(SETTINGS_ATTEMPT, 1))
+        self.checkpointer = ServerCheckpointer.from_settings(settings, config.checkpoint.every_rounds,
+                                                             config.checkpoint.keep, config.run.rounds)
+        #: in a resumed attempt, per datacenter, the task its state rewinds to (its newest handled at the checkpoint)
+        self.resumed_from: dict[str, int] = {}
         self.in_flight: dict[str, Task] = {}  # by message id
         #: datacenters with no task, waiting to be sent one (FedBuff's max_staleness = 0, or staleness_policy wait)
         self.held: list[str] = []
@@ -122,6 +133,45 @@ class AsyncFederation:
         self.bytes_down_now = 0  # bytes of the tasks sent at the current version
         self.unusable_in_a_row = 0
         self.counts = {"applied": 0, "discarded": 0, "unusable": 0}
+        if settings.get(SETTINGS_RESUME):
+            self._resume()
+
+    def _carried(self) -> dict[str, Any]:
+        """What a checkpoint keeps of the loop (besides the session's weights, strategy state, totals, best model)."""
+        return {"version": self.version, "seq": self.seq, "tasks_sent": dict(self.tasks_sent), "handled": dict(self.handled),
+                "handled_at": {v: dict(h) for v, h in self.handled_at.items()}, "counts": dict(self.counts),
+                "unusable_in_a_row": self.unusable_in_a_row}
+
+    def _resume(self) -> None:
+        """Continue from the newest intact checkpoint: the run log forgets every version, datacenter row and update
+        after it; each datacenter is sent its next task as attempt + 1, rewinding to its state after the task it had
+        last answered when the checkpoint was taken (what it trained past that is trained again)."""
+        version, carried = self.session.resume(self.checkpointer, self.attempt, self.nodes)
+        self.version, self.seq = int(carried["version"]), int(carried["seq"])
+        assert version == self.version
+        self.runlog.forget_versions_after(run_id=self.run_id, version=self.version, seq=self.seq)
+        for name in self.nodes:  # numbers go on from the checkpoint's; a datacenter new to the run starts at 0
+            self.tasks_sent[name] = int(carried["tasks_sent"].get(name, 0))
+            self.handled[name] = self.resumed_from[name] = int(carried["handled"].get(name, 0))
+        self.handled_at = {int(v): dict(h) for v, h in carried["handled_at"].items()}
+        self.counts = dict(carried["counts"])
+        self.unusable_in_a_row = int(carried["unusable_in_a_row"])
+
+    def _keep_from(self, name: str) -> int | None:
+        """The task number from which `name` keeps past states: its newest handled one at the oldest retained
+        checkpoint (0 before the first); None when the run takes no checkpoints."""
+        if self.checkpointer is None:
+            return None
+        return self.handled_at.get(self.checkpointer.oldest_round, {}).get(name, 0)
+
+    def _checkpoint(self) -> None:
+        """Checkpoint the run at the version just made (right after a server step: no update waits in a buffer, the
+        version's rows are written), keeping `handled` of every checkpoint still retained."""
+        assert self.checkpointer is not None
+        self.handled_at[self.version] = dict(self.handled)
+        if self.session.checkpoint(self.checkpointer, self.version, self._carried()):
+            retained = {info.round for info in self.checkpointer.store.committed()}
+            self.handled_at = {v: h for v, h in self.handled_at.items() if v in retained}
 
     @property
     def weights(self) -> dict[str, Any]:
@@ -134,7 +184,8 @@ class AsyncFederation:
         number, upcoming = self.tasks_sent[name], self.version + 1
         tau = self.strategy.tau(upcoming)
         task = protocol.train_config(server_round=number, tau=tau, run_id=self.run_id, run_dir=str(self.run_dir.path),
-                                     datacenter=name, global_version=self.version)
+                                     datacenter=name, global_version=self.version, attempt=self.attempt,
+                                     checkpoint_round=self._keep_from(name), resume_round=self.resumed_from.get(name))
         self.session.prepare_model(self.version, upcoming)
         content, downlink_version = self.session.train_message(name, upcoming, task)
         message = Message(content, dst_node_id=self.nodes[name], message_type=MessageType.TRAIN,
@@ -148,6 +199,7 @@ class AsyncFederation:
         """Judge one reply (None: none came), decide its fate, record it, and start the datacenter's next task."""
         self.seq += 1
         name, staleness = task.datacenter, self.version - task.base_version
+        self.handled[name] = max(self.handled.get(name, 0), task.number)
         outcome = self.session.judge(name, reply, task.tau, task.pushed_at,
                                      timeout_reason or f"no reply within {self.config.run.round_timeout_s:g}s")
         record = self.session.finish_record(name, outcome, task.pushed_at, bytes_down=task.bytes_down, staleness=staleness)
@@ -228,6 +280,8 @@ class AsyncFederation:
         self.session.weights = new_weights
         self.version += 1
         self._close_version(applied_at)
+        if self.checkpointer is not None and self.checkpointer.due(self.version):
+            self._checkpoint()
         if self.version < self.config.run.rounds:
             self._rediscover()
             self.release_held()

@@ -61,7 +61,14 @@ from crossdc.experiment.processes import (
     venv_bin,
     wait_for_port,
 )
-from crossdc.experiment.rundir import SETTINGS_GOSSIP_ADDRESSES, SETTINGS_LINK_EMULATOR, SETTINGS_PIPELINE_GROUP, RunDir
+from crossdc.experiment.rundir import (
+    SETTINGS_GOSSIP_ADDRESSES,
+    SETTINGS_LINK_EMULATOR,
+    SETTINGS_PIPELINE_GROUP,
+    SETTINGS_SUPERLINK,
+    SETTINGS_SUPERLINK_CA,
+    RunDir,
+)
 from crossdc.federation.server_checkpoint import SETTINGS_ATTEMPT, SETTINGS_RESUME, SETTINGS_URL
 from crossdc.strategies.registry import strategy_class
 from crossdc.wan.link_relay import LinkRelay
@@ -183,6 +190,9 @@ class LocalRun:
                     "db_max_outage_s": self.options.db_max_outage_s, SETTINGS_ATTEMPT: 1}
         if self.emulator is not None:
             settings[SETTINGS_LINK_EMULATOR] = self.emulator
+        if self.options.superlink is not None:
+            settings[SETTINGS_SUPERLINK] = self.options.superlink
+            settings[SETTINGS_SUPERLINK_CA] = str(self.options.superlink_ca) if self.options.superlink_ca else None
         if self.config.checkpoint.every_rounds > 0:
             settings[SETTINGS_URL] = checkpoint_url(self.config.checkpoint.dir, self.run_id)
         if self.options.resume:
@@ -191,7 +201,8 @@ class LocalRun:
             if before.get(SETTINGS_URL):
                 settings[SETTINGS_URL] = before[SETTINGS_URL]
         self.run_dir.create(settings)
-        (self.run_dir.path / COORDINATOR_PID_FILE).write_text(str(os.getpid()))
+        if self.options.superlink is None:  # on a standing federation the coordinator is the SuperLink's ServerApp
+            (self.run_dir.path / COORDINATOR_PID_FILE).write_text(str(os.getpid()))
         with RunLog(self.options.db_url) as runlog:
             if self.options.resume:
                 runlog.resume_run(run_id=self.run_id)
@@ -416,7 +427,9 @@ class LocalRun:
         gone) fails the run instead of leaving it, and this command, waiting forever.
         """
         engine = make_engine(self.options.db_url)
-        control = SuperLinkControl(f"{self.coordinator_host}:{self.options.superlink_port}", None, insecure=True)
+        control = (SuperLinkControl(self.options.superlink, self.options.superlink_ca,
+                                    insecure=self.options.superlink_ca is None) if self.options.superlink is not None
+                   else SuperLinkControl(f"{self.coordinator_host}:{self.options.superlink_port}", None, insecure=True))
         reported = 0
         next_flower_check = time.monotonic() + FLOWER_CHECK_S
         flower_ended_at: float | None = None

@@ -8,6 +8,8 @@ Promises:
 * :meth:`StandingFederation.submit` starts the run the way ``crossdc run --superlink … --detach`` does: a run row,
   a run folder under ``runs_root``, the Flower app submitted to the SuperLink, the Flower run id recorded at once;
   it returns without following the run (its ServerApp logs it);
+* :meth:`StandingFederation.unfinished_status` says whether the SuperLink still runs a run (``crossdc resume`` of a
+  run on a standing federation refuses one it still runs);
 * :meth:`StandingFederation.stop` stops a running run: Flower's Control API stops the Flower run (the SuperLink
   refuses its ServerApp's next call; the SuperNodes stay for the next run) and the run log records the run as
   ``interrupted``, with who stopped it, before any later verdict of its ServerApp (the first final status wins).
@@ -15,8 +17,10 @@ Promises:
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 from crossdc.db.queries import get_run_at, parse_flower_run_ids
 from crossdc.deployment.superlink_control import SuperLinkControl
@@ -59,6 +63,20 @@ class StandingFederation:
 
     def control(self) -> SuperLinkControl:
         return SuperLinkControl(self.superlink, self.superlink_ca, insecure=self.superlink_ca is None)
+
+    def unfinished_status(self, run: Mapping[str, Any]) -> str | None:
+        """Flower's status of the newest Flower run of `run` (a ``runs`` row) while it has not finished (``pending``,
+        ``starting``, ``running``), else None (finished, or never submitted). ControlError if the SuperLink does not
+        answer."""
+        flower_runs = parse_flower_run_ids(run.get("flower_run_ids"))
+        if not flower_runs:
+            return None
+        control = self.control()
+        try:
+            status, _ = control.run_status(flower_runs[-1])
+        finally:
+            control.close()
+        return None if status.startswith("finished") else status
 
     def stop(self, db_url: str, run_id: str, by: str) -> int:
         """Stop the running run `run_id` on behalf of `by` (a token's name); returns the Flower run id stopped.

@@ -20,8 +20,9 @@ moves to t + 1. A subclass says when a step is due (:meth:`AsyncStrategy.buffer_
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
+from typing import Any
 
 import numpy as np
 
@@ -129,6 +130,13 @@ class AsyncStrategy(Strategy):
         entry = Submitted(update, staleness, self.scale(staleness), seq, base_version)
         self.submitted.append(entry)
         return entry
+
+    def state_dict(self) -> dict[str, Any]:
+        """The buffer of updates waiting for the next server step (FedBuff's; empty right after a step)."""
+        return {"submitted": list(self.submitted)}
+
+    def load_state_dict(self, state: Mapping[str, Any]) -> None:
+        self.submitted = list(state.get("submitted", []))
 
     def waiting(self, datacenter: str) -> bool:
         """Whether an update of `datacenter` waits for the next server step."""
