@@ -52,10 +52,11 @@ from crossdc.clients.worker import GROUP_TIMEOUT, GroupTrainer, backend, build_r
 from crossdc.compression.downlink import DownlinkOutOfSync, receive
 from crossdc.compression.uplink import decode_arrays
 from crossdc.compression.wire import CodecError
+from crossdc.deployment.heartbeat import BEATS_PER_TIMEOUT, HeartbeatSender
 from crossdc.experiment.builders import datacenter_seed, initial_model
-from crossdc.experiment.config import inner_steps_planned, parse_config
+from crossdc.experiment.config import ExperimentConfig, inner_steps_planned, parse_config
 from crossdc.experiment.processes import die_with_parent
-from crossdc.experiment.rundir import SETTINGS_GOSSIP_ADDRESSES, SETTINGS_PIPELINE_GROUP, RunDir
+from crossdc.experiment.rundir import SETTINGS_GOSSIP_ADDRESSES, SETTINGS_HEARTBEAT, SETTINGS_PIPELINE_GROUP, RunDir
 from crossdc.protocol import GossipRequest, PipelineRequest, ProtocolError, StreamRequest, TrainRequest
 from crossdc.strategies.base import Strategy, StrategyError
 from crossdc.strategies.gossip import Gossip
@@ -527,6 +528,17 @@ PIPELINE_STATE_KEY = "pipeline-stage"
 GOSSIP_STATE_KEY = "gossip-replica"
 
 
+def start_heartbeat(run_dir: RunDir, config: ExperimentConfig, run_id: str, datacenter: str) -> HeartbeatSender | None:
+    """This datacenter's heartbeat to the coordinator (crossdc.deployment.heartbeat), every timeout / 6, when the run
+    asks for one (``run.heartbeat_timeout_s`` > 0) and says where it goes (a local run's settings); else None."""
+    address = run_dir.settings().get(SETTINGS_HEARTBEAT)
+    timeout_s = config.run.heartbeat_timeout_s
+    if not address or timeout_s <= 0:
+        return None
+    return HeartbeatSender((str(address[0]), int(address[1])), run_id, datacenter, run_dir.authkey(),
+                           timeout_s / BEATS_PER_TIMEOUT).start()
+
+
 def serve(run_dir: RunDir, datacenter: str) -> None:
     """Serve requests until SIGTERM/SIGINT."""
     torch.set_num_threads(max(1, int(os.environ.get("CROSSDC_TRAINER_THREADS", "1"))))
@@ -536,9 +548,12 @@ def serve(run_dir: RunDir, datacenter: str) -> None:
     socket_path.unlink(missing_ok=True)
     listener = Listener(str(socket_path), family="AF_UNIX", authkey=run_dir.authkey())
     os.chmod(socket_path, 0o600)
+    beats = start_heartbeat(run_dir, handler.config, handler.run_id, datacenter)
 
     def stop(signum: int, frame: Any) -> None:
         listener.close()
+        if beats is not None:
+            beats.stop()
         handler.close()
         sys.exit(0)
 

@@ -59,6 +59,8 @@ class RunSection:
     deadline: DeadlinePolicy | None = None
     #: keep the evaluated global model with the lowest validation loss (best-weights.npz) beside the final one
     keep_best: bool = True
+    #: seconds without a heartbeat after which a datacenter is marked down (0: no heartbeat)
+    heartbeat_timeout_s: float = 30.0
 
 
 @dataclass(frozen=True)
@@ -206,7 +208,7 @@ CONFIG_KEYS: dict[str, frozenset[str]] = {
     "": frozenset({"run", "workload", "strategy", "datacenters", "links", "link_faults", "compression", "security",
                    "checkpoint"}),
     "run": frozenset({"name", "rounds", "seed", "eval_every", "min_replies", "round_timeout_s", "deadline",
-                      "keep_best"}),
+                      "keep_best", "heartbeat_timeout_s"}),
     "run.deadline": frozenset({"floor_s", "ceiling_s", "k_mad", "window", "min_history"}),
     "workload": frozenset({"dataset", "model", "model_args", "partition", "batch_size", "optimizer", "lr", "precision",
                            "betas", "weight_decay", "grad_clip", "schedule"}),
@@ -296,12 +298,14 @@ def _parse_run(doc: dict[str, Any]) -> RunSection:
     timeout = _typed(t, "round_timeout_s", float, "run.", 3600.0)
     _positive(timeout, "run.round_timeout_s")
     keep_best = _typed(t, "keep_best", bool, "run.", True)
+    heartbeat_timeout_s = _typed(t, "heartbeat_timeout_s", float, "run.", 30.0)
+    _positive(heartbeat_timeout_s, "run.heartbeat_timeout_s", allow_zero=True)
     deadline = _parse_deadline(t["deadline"]) if "deadline" in t else None
     if deadline is not None and "round_timeout_s" in t:
         raise ConfigError("give 'run.deadline' (adaptive) or 'run.round_timeout_s' (fixed), not both")
     return RunSection(name=name, rounds=rounds, seed=seed, eval_every=eval_every, min_replies=min_replies,
                       round_timeout_s=deadline.ceiling_s if deadline else timeout, deadline=deadline,
-                      keep_best=keep_best)
+                      keep_best=keep_best, heartbeat_timeout_s=heartbeat_timeout_s)
 
 
 def _parse_deadline(value: Any) -> DeadlinePolicy:

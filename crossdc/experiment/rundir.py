@@ -24,6 +24,8 @@ SETTINGS_GOSSIP_ADDRESSES = "gossip_addresses"
 #: first stage's rendezvous) and each datacenter's network interface toward the others (``interfaces``: name or
 #: null for gloo's default)
 SETTINGS_PIPELINE_GROUP = "pipeline_group"
+#: the run's settings key giving where the coordinator receives the datacenters' heartbeats: [host, port] (UDP)
+SETTINGS_HEARTBEAT = "heartbeat"
 #: the run's settings keys of a run on a standing federation: its SuperLink's private Control API address
 #: (HOST:PORT) and the CA of its certificate (null: plain HTTP); absent for a run this machine hosts itself
 SETTINGS_SUPERLINK = "superlink"

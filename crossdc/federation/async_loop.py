@@ -71,7 +71,7 @@ from crossdc.experiment.rundir import RunDir
 from crossdc.federation.grid_io import POLL_INTERVAL_S, FederationError, Reply, pull_replies, rediscover
 from crossdc.federation.server_checkpoint import SETTINGS_ATTEMPT, SETTINGS_RESUME, ServerCheckpointer
 from crossdc.federation.session import merge_rows, update_cosines
-from crossdc.federation.sync_loop import MAX_ROUNDS_WITHOUT_UPDATES, start_session
+from crossdc.federation.sync_loop import MAX_ROUNDS_WITHOUT_UPDATES, down_reason, start_session
 from crossdc.protocol import payload_bytes
 from crossdc.strategies.asynchronous import AsyncStrategy, Submitted, dispatch_keeps_bound
 from crossdc.strategies.base import StrategyError
@@ -133,6 +133,7 @@ class AsyncFederation:
         self.bytes_down_now = 0  # bytes of the tasks sent at the current version
         self.unusable_in_a_row = 0
         self.counts = {"applied": 0, "discarded": 0, "unusable": 0}
+        self.all_down_since: float | None = None  # (monotonic) since when every datacenter is marked down
         if settings.get(SETTINGS_RESUME):
             self._resume()
 
@@ -226,7 +227,9 @@ class AsyncFederation:
         self.release_held()
 
     def may_dispatch(self, name: str) -> bool:
-        """Whether `name` may be sent a task now (see the module docstring: the two reasons to hold it)."""
+        """Whether `name` may be sent a task now (see the module docstring: the three reasons to hold it)."""
+        if name in self.session.down():
+            return False  # marked down by the heartbeat: no work until it beats again
         strategy = self.strategy
         if strategy.max_staleness == 0 and strategy.waiting(name):
             return False  # its next task starts from the next version
@@ -251,6 +254,19 @@ class AsyncFederation:
                     self.held_since[name] = time.time()
                     self._held_event("held", name)
                 self.held.append(name)
+
+    def _fail_if_all_down(self, down: set[str]) -> None:
+        """FederationError once every datacenter has been marked down for longer than a task's deadline (nobody is
+        left to send work to; without a heartbeat, their tasks' timeouts end the run the same way)."""
+        if not set(self.nodes) <= down:
+            self.all_down_since = None
+            return
+        now = time.monotonic()
+        if self.all_down_since is None:
+            self.all_down_since = now
+        elif now - self.all_down_since > self.config.run.round_timeout_s:
+            raise FederationError(f"every datacenter has been down (no heartbeat) for over "
+                                  f"{self.config.run.round_timeout_s:g}s: the asynchronous run cannot go on")
 
     def _held_event(self, kind: str, name: str, **detail: Any) -> None:
         bases = [task.base_version for task in self.in_flight.values()]
@@ -346,10 +362,16 @@ class AsyncFederation:
                 if task is not None:  # (None: given up on meanwhile, when its datacenter rejoined)
                     self.handle(task, reply)
             late = time.time() - self.config.run.round_timeout_s - TIMEOUT_GRACE_S
+            down = self.session.down()
             for message_id, task in list(self.in_flight.items()):
-                if self.version < target and task.pushed_at < late and message_id in self.in_flight:
+                # a datacenter down since its task was sent may never answer it (its node may have died)
+                lost = task.datacenter in self.session.down_since(time.monotonic() - (time.time() - task.pushed_at))
+                if self.version < target and message_id in self.in_flight and (task.pushed_at < late or lost):
                     del self.in_flight[message_id]
-                    self.handle(task, None)
+                    self.handle(task, None, down_reason(self.config) if lost else "")
+            if self.held and self.version < target:
+                self.release_held()  # (a datacenter held while down goes back to work once it beats again)
+            self._fail_if_all_down(down)
             if self.version < target and time.monotonic() - self.last_rediscovery > REDISCOVER_EVERY_S:
                 self._rediscover()
             if self.version < target and not self.in_flight and not self.held:
@@ -370,4 +392,8 @@ def run_async(grid: Grid, run_dir: RunDir, run_id: str, config: ExperimentConfig
         federation = AsyncFederation(grid, run_dir, run_id, config, runlog)
     except StrategyError as err:
         raise FederationError(str(err)) from None
-    return federation.run()
+    federation.session.watch_liveness()
+    try:
+        return federation.run()
+    finally:
+        federation.session.close()

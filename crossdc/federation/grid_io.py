@@ -9,6 +9,7 @@ while replies come in; no fixed 3-second barrier) and polls only messages still 
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 
 from flwr.app import ConfigRecord, Message, MessageType, RecordDict
@@ -53,15 +54,17 @@ def pull_replies(grid: Grid, pending: set[str]) -> dict[str, Reply]:
 
 
 def collect_replies(grid: Grid, message_ids: list[str], timeout_s: float,
-                    after_error_s: float | None = None) -> dict[str, Reply]:
+                    after_error_s: float | None = None, given_up: Callable[[], set[str]] | None = None) -> dict[str, Reply]:
     """Pull replies as they arrive until all are in or the timeout passes; returns what came, by message id. With
     `after_error_s`, a reply that carries an error shortens the wait to that many seconds more (a loop whose round
-    fails with any one failure collects the others' reasons, and does not wait out the timeout for a dead node)."""
+    fails with any one failure collects the others' reasons, and does not wait out the timeout for a dead node).
+    `given_up()` names message ids not worth waiting for any more (their datacenter is down): once only those are
+    missing, the wait ends (a reply of theirs that is already in is still taken)."""
     pending = set(message_ids)
     replies: dict[str, Reply] = {}
     deadline = time.monotonic() + timeout_s
     interval = POLL_INTERVAL_S
-    while pending and time.monotonic() < deadline:
+    while pending and time.monotonic() < deadline and not (given_up is not None and pending <= given_up()):
         arrived = pull_replies(grid, pending)
         replies.update(arrived)
         if after_error_s is not None and any(reply.message.has_error() for reply in arrived.values()):
@@ -74,13 +77,15 @@ def collect_replies(grid: Grid, message_ids: list[str], timeout_s: float,
 
 
 def collect_within(grid: Grid, message_ids: list[str], deadlines: Deadlines, timeout_s: float,
-                   needed: int) -> tuple[dict[str, Reply], float]:
+                   needed: int, given_up: Callable[[], set[str]] | None = None) -> tuple[dict[str, Reply], float]:
     """:func:`collect_replies` up to the deadline `timeout_s`; with fewer than `needed` replies by then, on up to
-    the adaptive deadline's ceiling rather than fail the round. (replies, the seconds waited at most)."""
-    replies = collect_replies(grid, message_ids, timeout_s)
+    the adaptive deadline's ceiling rather than fail the round (not for replies `given_up()` names: their datacenter
+    is down). (replies, the seconds waited at most)."""
+    replies = collect_replies(grid, message_ids, timeout_s, given_up=given_up)
     more = deadlines.can_wait_on(timeout_s)
-    if len(replies) < needed and more > 0:
-        replies.update(collect_replies(grid, [i for i in message_ids if i not in replies], more))
+    still = [i for i in message_ids if i not in replies and not (given_up is not None and i in given_up())]
+    if len(replies) < needed and more > 0 and still:
+        replies.update(collect_replies(grid, [i for i in message_ids if i not in replies], more, given_up=given_up))
         timeout_s += more
     return replies, timeout_s
 

@@ -37,9 +37,10 @@ from crossdc.compression.downlink import DownlinkSender, FragmentDownlink
 from crossdc.db.errors import DatabaseUnavailable
 from crossdc.db.records import DatacenterRoundRecord
 from crossdc.db.runlog import RunLog
+from crossdc.deployment.heartbeat import HeartbeatMonitor
 from crossdc.experiment.builders import build_strategy, build_workload, initial_model
 from crossdc.experiment.config import ExperimentConfig
-from crossdc.experiment.rundir import SETTINGS_LINK_EMULATOR, RunDir
+from crossdc.experiment.rundir import SETTINGS_HEARTBEAT, SETTINGS_LINK_EMULATOR, RunDir
 from crossdc.federation.grid_io import Reply
 from crossdc.federation.server_checkpoint import ResumeError, ServerCheckpointer, loop_state, restore_rng
 from crossdc.federation.update_gate import GateRules, Judged, judge_content, judge_reply, update_norm_outliers, update_size_limit
@@ -146,6 +147,49 @@ class RoundSession:
         self.best_val_loss: float | None = None
         self.best_round: int | None = None
         self._records: tuple[int, dict[str, Any]] | None = None  # (model version, its encoded records)
+        #: crossdc's heartbeat monitor of the datacenters (None: no heartbeat, see :meth:`watch_liveness`)
+        self.liveness: HeartbeatMonitor | None = None
+
+    # ------------------------------------------------------------------ liveness
+    def watch_liveness(self) -> None:
+        """Start receiving the datacenters' heartbeats where the run's settings say (a local run with
+        ``run.heartbeat_timeout_s`` > 0): a datacenter silent for longer is marked down at once (a
+        ``datacenter-down`` event; ``datacenter-up`` when it beats again), and :meth:`down` names it."""
+        address = self.run_dir.settings().get(SETTINGS_HEARTBEAT) if self.run_dir is not None else None
+        timeout_s = self.config.run.heartbeat_timeout_s
+        if not address or timeout_s <= 0 or self.run_dir is None:
+            return
+        try:
+            self.liveness = HeartbeatMonitor(str(address[0]), int(address[1]), self.run_id, self.run_dir.authkey(),
+                                             self.config.datacenter_names, timeout_s, self._liveness_changed).start()
+        except OSError as err:  # the port is taken: the run goes on, dead datacenters are found by the deadline
+            log.warning("no heartbeat monitor on %s: %s", address, err)
+            if self.runlog is not None:
+                self.runlog.log_event(run_id=self.run_id, kind="heartbeat-off", detail=f"{address}: {err}")
+
+    def _liveness_changed(self, datacenter: str, up: bool, silent_s: float) -> None:
+        if self.runlog is not None:
+            self.runlog.log_event(run_id=self.run_id, kind="datacenter-up" if up else "datacenter-down",
+                                  datacenter=datacenter, detail={"silent_s": round(silent_s, 1),
+                                                                 "heartbeat_timeout_s": self.config.run.heartbeat_timeout_s})
+
+    def down(self) -> set[str]:
+        """The datacenters marked down by the heartbeat now (empty without one)."""
+        return self.liveness.down() if self.liveness is not None else set()
+
+    def down_since(self, since: float) -> set[str]:
+        """The datacenters down now or gone down since `since` (time.monotonic), see HeartbeatMonitor.down_since."""
+        return self.liveness.down_since(since) if self.liveness is not None else set()
+
+    def came_up_since(self, since: float) -> set[str]:
+        """The datacenters back up since `since` (time.monotonic) (empty without a heartbeat)."""
+        return self.liveness.came_up_since(since) if self.liveness is not None else set()
+
+    def close(self) -> None:
+        """Stop what the session runs beside the loop (the heartbeat monitor)."""
+        if self.liveness is not None:
+            self.liveness.stop()
+            self.liveness = None
 
     # ------------------------------------------------------------------ messages
     def prepare_model(self, version: int, server_round: int) -> None:

@@ -93,6 +93,30 @@ def run_federation(grid: Grid, run_dir: RunDir) -> dict[str, Any]:
         runlog.close(timeout=10)
 
 
+def down_reason(config: ExperimentConfig) -> str:
+    """Why a datacenter marked down by the heartbeat has no reply (the loops stop waiting for it)."""
+    return f"no reply: the datacenter is down (no heartbeat for more than {config.run.heartbeat_timeout_s:g}s)"
+
+
+#: how often a round that waits for a returning datacenter's new node looks for it, and how long it waits at least
+REJOIN_POLL_S = 0.5
+REJOIN_MIN_WAIT_S = 15.0
+
+
+def await_rejoin(grid: Grid, nodes: dict[str, int], seen: set[int], config: ExperimentConfig, runlog: RunLog, run_id: str,
+                 server_round: int, returning: set[str]) -> None:
+    """Before a round, wait up to max(``run.heartbeat_timeout_s``, REJOIN_MIN_WAIT_S) for the `returning` datacenters
+    (back up by the heartbeat since the last round began) to be found under a new node (rediscovery), so the round's
+    message goes to the node that can answer it; one whose node did not change (a cut link, not a crash) is sent its
+    message when the wait ends."""
+    deadline = time.monotonic() + max(config.run.heartbeat_timeout_s, REJOIN_MIN_WAIT_S)
+    waiting = set(returning)
+    while waiting and time.monotonic() < deadline:
+        waiting -= set(rediscover(grid, nodes, seen, config, runlog, run_id, server_round))
+        if waiting:
+            time.sleep(REJOIN_POLL_S)
+
+
 def start_session(grid: Grid, run_dir: RunDir, run_id: str, config: ExperimentConfig, runlog: RunLog,
                   ready_detail: Callable[[Strategy], dict[str, Any]] | None = None) -> tuple[RoundSession, dict[str, int]]:
     """The run's session and its datacenters' nodes: discovered, seen (with their configured links: a datacenter
@@ -114,6 +138,15 @@ def start_session(grid: Grid, run_dir: RunDir, run_id: str, config: ExperimentCo
 
 def _run(grid: Grid, run_dir: RunDir, run_id: str, config: ExperimentConfig, runlog: RunLog) -> dict[str, Any]:
     session, nodes = start_session(grid, run_dir, run_id, config, runlog)
+    session.watch_liveness()
+    try:
+        return _rounds(grid, run_dir, run_id, config, runlog, session, nodes)
+    finally:
+        session.close()
+
+
+def _rounds(grid: Grid, run_dir: RunDir, run_id: str, config: ExperimentConfig, runlog: RunLog, session: RoundSession,
+            nodes: dict[str, int]) -> dict[str, Any]:
     strategy = session.strategy
     seen_nodes = set(nodes.values())
     run_started = time.perf_counter()
@@ -130,10 +163,13 @@ def _run(grid: Grid, run_dir: RunDir, run_id: str, config: ExperimentConfig, run
         first_round = last_round + 1
         rounds_without_updates = carried["rounds_without_updates"]
         deadlines = Deadlines(config.run.deadline, config.run.round_timeout_s, list(nodes), carried.get("round_times"))
+    last_start = time.monotonic()
     for server_round in range(first_round, config.run.rounds + 1):
         round_started = time.perf_counter()
         if server_round > 1:
             rediscover(grid, nodes, seen_nodes, config, runlog, run_id, server_round)
+            await_rejoin(grid, nodes, seen_nodes, config, runlog, run_id, server_round, session.came_up_since(last_start))
+        last_start = time.monotonic()
         tau = strategy.tau(server_round)
         # fixed, or from how long each datacenter's recent rounds took (one seen too little gets the ceiling)
         timeout_s, deadline_kind = deadlines.next(list(nodes))
@@ -154,12 +190,19 @@ def _run(grid: Grid, run_dir: RunDir, run_id: str, config: ExperimentConfig, run
             # (with the adaptive deadline: its ceiling, the longest this round may wait on for enough replies)
             messages[name] = Message(content, dst_node_id=node, message_type=MessageType.TRAIN, ttl=deadlines.ttl_s)
             bytes_down[name] = payload_bytes(content)
-        pushed_at = time.time()
+        pushed_at, pushed_mono, down_at_push = time.time(), time.monotonic(), session.down()
         ids = list(grid.push_messages(list(messages.values())))
         id_of = dict(zip(messages, ids, strict=True))
-        replies, timeout_s = collect_within(grid, ids, deadlines, timeout_s, needed)
+        # a datacenter down when its message was sent, or since, may never answer it (its node may have died and come
+        # back under a new id): the round does not wait for it
+        replies, timeout_s = collect_within(
+            grid, ids, deadlines, timeout_s, needed,
+            given_up=lambda ids_of=id_of, since=pushed_mono, gone=down_at_push: {
+                ids_of[n] for n in gone | session.down_since(since) if n in ids_of})
         timeout_reason = f"no reply within the round's {timeout_s:g}s ({deadline_kind})"
-        judged = {name: session.judge(name, replies.get(id_of[name]), tau, pushed_at, timeout_reason) for name in nodes}
+        down = down_at_push | session.down_since(pushed_mono)
+        judged = {name: session.judge(name, replies.get(id_of[name]), tau, pushed_at,
+                                      down_reason(config) if name in down else timeout_reason) for name in nodes}
         session.reject_outliers(judged)
         for name, outcome in judged.items():
             session.note_outcome(name, outcome, server_round)

@@ -63,6 +63,7 @@ from crossdc.experiment.processes import (
 )
 from crossdc.experiment.rundir import (
     SETTINGS_GOSSIP_ADDRESSES,
+    SETTINGS_HEARTBEAT,
     SETTINGS_LINK_EMULATOR,
     SETTINGS_PIPELINE_GROUP,
     SETTINGS_SUPERLINK,
@@ -233,6 +234,8 @@ class LocalRun:
             mesh = [(*link.between, link.link) for link in self.config.links]
             self.network = EmulatedNetwork(star, mesh, self.run_dir.logs / "links", seed=self.config.run.seed,
                                            log_path=self.run_dir.logs / "delay-line.log").start()
+        if self.config.run.heartbeat_timeout_s > 0:  # the coordinator's heartbeat socket, where every datacenter reaches it
+            self.run_dir.update_settings({SETTINGS_HEARTBEAT: [self.coordinator_host, free_port()]})
         if strategy_class(self.config.strategy.name).loop == "gossip":
             network = self.network
             addresses = {dc: [network.address(dc), GOSSIP_PORT] if network is not None else [HOST, free_port()]

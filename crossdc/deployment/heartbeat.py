@@ -1,0 +1,194 @@
+"""crossdc's own liveness heartbeat: each datacenter's trainer tells the coordinator it is alive, over UDP.
+
+Flower's node heartbeat (1.42) is fixed at 30 s with a patience of 2: a dead SuperNode is noticed a minute or more
+later, and a round waits for it until its deadline. This heartbeat is crossdc's, at the cadence the run asks for
+(``run.heartbeat_timeout_s``), on the WAN like any other traffic (a datacenter's datagrams cross its emulated link).
+
+Promises:
+
+* a beat is one UDP datagram naming the run, the datacenter and a sequence number, signed with the run's key
+  (HMAC-SHA256); :func:`decode_beat` answers None for anything else (a datagram of another run, forged, truncated,
+  oversized or random), never raises;
+* :class:`HeartbeatSender` sends a beat every ``interval_s`` from a daemon thread until stopped; a send that fails
+  (the link is cut, the coordinator is gone) is retried at the next beat;
+* :func:`liveness_changes` is the one rule (pure): a datacenter not heard from for more than ``timeout_s`` since
+  its last beat (or since monitoring began, if it never beat) is *down*; one heard from again is *up*; only changes
+  are reported;
+* :class:`HeartbeatMonitor` receives beats on its socket and applies the rule every ``check_s``, calling
+  ``on_change(datacenter, up, silent_s)`` once per change (``datacenter-down`` / ``datacenter-up`` events, in the
+  federation); :meth:`HeartbeatMonitor.down` is the set down now, :meth:`HeartbeatMonitor.down_since` adds those
+  that went down since a moment (a message sent them then may be lost), :meth:`HeartbeatMonitor.came_up_since`
+  those back since a moment.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import hmac
+import json
+import logging
+import socket
+import threading
+import time
+from collections.abc import Callable, Iterable, Mapping
+from dataclasses import dataclass
+
+log = logging.getLogger("crossdc.heartbeat")
+
+#: the largest datagram a monitor reads (a beat is about 150 bytes)
+MAX_BEAT_BYTES = 1024
+_DIGEST = 32
+#: how many beats a monitor expects per timeout (the sender's interval is timeout / BEATS_PER_TIMEOUT)
+BEATS_PER_TIMEOUT = 6
+
+
+@dataclass(frozen=True)
+class Beat:
+    run_id: str
+    datacenter: str
+    seq: int
+
+
+def encode_beat(beat: Beat, key: bytes) -> bytes:
+    """The datagram of `beat`: its JSON, then its HMAC-SHA256 under `key`."""
+    body = json.dumps({"run": beat.run_id, "dc": beat.datacenter, "seq": beat.seq}, separators=(",", ":")).encode()
+    return body + hmac.new(key, body, hashlib.sha256).digest()
+
+
+def decode_beat(data: bytes, key: bytes, run_id: str) -> Beat | None:
+    """The beat in `data` if it is one of run `run_id` signed with `key`; None otherwise (never raises)."""
+    if not isinstance(data, bytes | bytearray) or not _DIGEST < len(data) <= MAX_BEAT_BYTES:
+        return None
+    body, digest = bytes(data[:-_DIGEST]), bytes(data[-_DIGEST:])
+    if not hmac.compare_digest(digest, hmac.new(key, body, hashlib.sha256).digest()):
+        return None
+    try:
+        fields = json.loads(body)
+        beat = Beat(str(fields["run"]), str(fields["dc"]), int(fields["seq"]))
+    except (ValueError, TypeError, KeyError):
+        return None
+    return beat if beat.run_id == run_id else None
+
+
+def liveness_changes(last_heard: Mapping[str, float], down: Iterable[str], now: float,
+                     timeout_s: float) -> dict[str, bool]:
+    """Datacenter → True (now up) / False (now down) for each whose state changes at `now`: down once more than
+    `timeout_s` passed since `last_heard` (its last beat, or when monitoring began), up again once it is heard within
+    `timeout_s`. Datacenters whose state stays are left out."""
+    was_down = set(down)
+    changes: dict[str, bool] = {}
+    for name, heard in last_heard.items():
+        is_down = now - heard > timeout_s
+        if is_down != (name in was_down):
+            changes[name] = not is_down
+    return changes
+
+
+class HeartbeatSender:
+    """Beats of one datacenter of one run to ``address`` (host, port), every `interval_s`, from a daemon thread."""
+
+    def __init__(self, address: tuple[str, int], run_id: str, datacenter: str, key: bytes, interval_s: float) -> None:
+        self.address, self.run_id, self.datacenter, self.key = address, run_id, datacenter, key
+        self.interval_s = interval_s
+        self.sent = 0
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, name=f"heartbeat-{datacenter}", daemon=True)
+
+    def start(self) -> HeartbeatSender:
+        self._thread.start()
+        return self
+
+    def _run(self) -> None:
+        with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as sock:
+            while not self._stop.is_set():
+                try:
+                    sock.sendto(encode_beat(Beat(self.run_id, self.datacenter, self.sent + 1), self.key), self.address)
+                    self.sent += 1
+                except OSError as err:  # no route (a cut link), the coordinator gone: try again at the next beat
+                    log.debug("heartbeat of %s not sent: %s", self.datacenter, err)
+                self._stop.wait(self.interval_s)
+
+    def stop(self) -> None:
+        self._stop.set()
+        self._thread.join(timeout=5)
+
+
+class HeartbeatMonitor:
+    """Receives the beats of `datacenters` of run `run_id` on (`host`, `port`) and reports changes of liveness (see
+    :func:`liveness_changes`) to `on_change(datacenter, up, silent_s)` from its own thread."""
+
+    def __init__(self, host: str, port: int, run_id: str, key: bytes, datacenters: Iterable[str], timeout_s: float,
+                 on_change: Callable[[str, bool, float], None], check_s: float | None = None) -> None:
+        self.run_id, self.key, self.timeout_s, self.on_change = run_id, key, timeout_s, on_change
+        self.check_s = check_s if check_s is not None else max(0.05, min(1.0, timeout_s / 10))
+        self.sock = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
+        self.sock.bind((host, port))
+        self.sock.settimeout(self.check_s)
+        started = time.monotonic()
+        self.last_heard: dict[str, float] = {name: started for name in datacenters}
+        self.beats: dict[str, int] = dict.fromkeys(self.last_heard, 0)
+        self.refused = 0
+        #: (monotonic) when each datacenter last went down, and last came up again
+        self.went_down_at: dict[str, float] = {}
+        self.came_up_at: dict[str, float] = {}
+        self._down: set[str] = set()
+        self._lock = threading.Lock()
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="heartbeat-monitor", daemon=True)
+
+    def start(self) -> HeartbeatMonitor:
+        self._thread.start()
+        return self
+
+    def down(self) -> set[str]:
+        with self._lock:
+            return set(self._down)
+
+    def down_since(self, since: float) -> set[str]:
+        """The datacenters down now or gone down at any time from `since` (monotonic) on: a message sent to one of
+        them then may never be answered (its node may have died and come back under a new id)."""
+        with self._lock:
+            return set(self._down) | {name for name, at in self.went_down_at.items() if at >= since}
+
+    def came_up_since(self, since: float) -> set[str]:
+        """The datacenters that came back up from `since` (monotonic) on and are up now."""
+        with self._lock:
+            return {name for name, at in self.came_up_at.items() if at >= since and name not in self._down}
+
+    def _receive(self) -> None:
+        try:
+            data, _ = self.sock.recvfrom(MAX_BEAT_BYTES + 1)
+        except (TimeoutError, OSError):
+            return
+        beat = decode_beat(data, self.key, self.run_id)
+        if beat is None or beat.datacenter not in self.last_heard:
+            self.refused += 1
+            return
+        with self._lock:
+            self.last_heard[beat.datacenter] = time.monotonic()
+            self.beats[beat.datacenter] += 1
+
+    def _run(self) -> None:
+        next_check = time.monotonic() + self.check_s
+        while not self._stop.is_set():
+            self._receive()
+            now = time.monotonic()
+            if now < next_check:
+                continue
+            next_check = now + self.check_s
+            with self._lock:
+                changes = liveness_changes(self.last_heard, self._down, now, self.timeout_s)
+                for name, up in changes.items():
+                    (self._down.discard if up else self._down.add)(name)
+                    (self.came_up_at if up else self.went_down_at)[name] = now
+                silent = {name: now - self.last_heard[name] for name in changes}
+            for name, up in changes.items():
+                try:
+                    self.on_change(name, up, silent[name])
+                except Exception:  # reporting must not stop monitoring
+                    log.exception("heartbeat: reporting %s %s failed", name, "up" if up else "down")
+
+    def stop(self) -> None:
+        self._stop.set()
+        self._thread.join(timeout=5)
+        self.sock.close()
