@@ -7,6 +7,7 @@ else ``sqlite:///crossdc.db`` (relative to the working directory).
 from __future__ import annotations
 
 import os
+import threading
 from pathlib import Path
 from typing import Any
 
@@ -175,14 +176,19 @@ def alembic_config(url: str | URL | None = None) -> Any:
     return cfg
 
 
+#: Alembic's commands keep their context in module globals: one command at a time in a process (a service that
+#: submits two runs at once, threads that start runs side by side)
+_ALEMBIC_LOCK = threading.Lock()
+
+
 def _alembic(url: str | URL, action: str, revision: str) -> None:
-    """Run the Alembic command `action` ("upgrade" or "downgrade") to `revision` on `url`."""
+    """Run the Alembic command `action` ("upgrade" or "downgrade") to `revision` on `url` (one at a time)."""
     from alembic import command
 
     cfg = alembic_config(url)
     engine = make_engine(url)
     try:
-        with engine.begin() as conn:
+        with _ALEMBIC_LOCK, engine.begin() as conn:
             cfg.attributes["connection"] = conn
             getattr(command, action)(cfg, revision)
     except (exc.OperationalError, exc.InterfaceError) as e:

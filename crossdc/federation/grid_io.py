@@ -24,8 +24,9 @@ from crossdc.protocol import CONFIG_KEY
 POLL_INTERVAL_S = 0.02
 MAX_POLL_INTERVAL_S = 0.25
 DISCOVERY_TIMEOUT_S = 180.0
-#: how long a round waits for a newly seen SuperNode (a restarted datacenter) to say who it is
-REDISCOVERY_TIMEOUT_S = 60.0
+#: how long a round waits for a newly seen SuperNode (a restarted datacenter) to say who it is; one that does not say
+#: by then is not asked again (a node whose connection was reset may leave a registration nobody answers for)
+REDISCOVERY_TIMEOUT_S = 20.0
 
 
 class FederationError(RuntimeError):
@@ -143,7 +144,8 @@ def rediscover(grid: Grid, nodes: dict[str, int], seen: set[int], config: Experi
                server_round: int, timeout_s: float = REDISCOVERY_TIMEOUT_S) -> list[str]:
     """A SuperNode that restarts registers under a new node id: ask every node not seen before who it is, and
     move its datacenter to the new id (in `nodes`, in place), with a ``datacenter-rejoined`` event. `seen` holds
-    the node ids already placed (current, replaced, or not a configured datacenter); it grows here. Returns the
+    the node ids already placed (current, replaced, not a configured datacenter, or silent: no answer within
+    `timeout_s`, a ``silent-node`` event); it grows here. Returns the
     datacenters that moved. Costs one call to the SuperLink when nothing changed."""
     new_ids = [node for node in grid.get_node_ids() if node not in seen and node not in nodes.values()]
     if not new_ids:
@@ -152,7 +154,14 @@ def rediscover(grid: Grid, nodes: dict[str, int], seen: set[int], config: Experi
     ids = list(grid.push_messages([Message(content, dst_node_id=node, message_type=MessageType.QUERY, ttl=timeout_s)
                                    for node in new_ids]))
     moved: list[str] = []
-    for reply in collect_replies(grid, ids, timeout_s).values():
+    replies = collect_replies(grid, ids, timeout_s)
+    answered = {reply.message.metadata.src_node_id for reply in replies.values()}
+    for node in new_ids:
+        if node not in answered:  # silent: never asked again (each ask would hold the loop for the whole timeout)
+            seen.add(node)
+            runlog.log_event(run_id=run_id, kind="silent-node", round=server_round,
+                             detail=f"node {node} did not say who it is within {timeout_s:g}s; not asked again")
+    for reply in replies.values():
         node = reply.message.metadata.src_node_id
         name = _claimed_name(reply)
         if name is None:  # an error reply: ask again next time

@@ -86,6 +86,8 @@ PIPELINE_PORT = 29800
 #: how often Flower's own run status is checked, and how long SQL may lag behind Flower's "finished"
 FLOWER_CHECK_S = 10.0
 FLOWER_END_GRACE_S = 5.0
+#: how often a local run looks for its ServerApp process
+SERVERAPP_CHECK_S = 2.0
 #: how many times a gossip run submits its ServerApp again after it died
 MAX_COORDINATOR_RESTARTS = 3
 FLOWER_APP_TEMPLATE = Path(__file__).with_name("flower_app") / "pyproject.toml"
@@ -334,14 +336,18 @@ class LocalRun:
         """SIGKILL the run's ServerApp (what a crash of the coordinator's machine does to it; the SuperLink and the
         datacenters live on) and keep it away for `away_s` seconds: a gossip run then submits it again and it
         catches up; any other run fails. Returns the pids killed."""
-        pids = [pid for pid in processes_with_env(RUN_MARKER_ENV, str(self.run_dir.path))
-                if "flwr-serverapp" in _command_line(pid)]
+        pids = self._serverapp_pids()
         for pid in pids:
             with contextlib.suppress(OSError):
                 os.kill(pid, signal.SIGKILL)
         self.coordinator_away_until = time.monotonic() + away_s
         log.warning("coordinator killed (ServerApp pids %s), away for %.0f s", pids, away_s)
         return pids
+
+    def _serverapp_pids(self) -> list[int]:
+        """The run's live ServerApp processes (Flower spawns them detached; they carry the run's marker)."""
+        return [pid for pid in processes_with_env(RUN_MARKER_ENV, str(self.run_dir.path))
+                if "flwr-serverapp" in _command_line(pid)]
 
     def end_coordinator_absence(self) -> None:
         """Let a coordinator killed by :meth:`kill_coordinator` come back now rather than after its `away_s`: a gossip
@@ -436,11 +442,23 @@ class LocalRun:
         reported = 0
         next_flower_check = time.monotonic() + FLOWER_CHECK_S
         flower_ended_at: float | None = None
+        # a local run also sees its ServerApp process: one seen and then gone counts as ended at once (Flower itself
+        # may take tens of seconds to mark a killed ServerApp's run finished)
+        next_process_check, serverapp_seen, serverapp_missing_since = time.monotonic(), False, None
         try:
             while True:
                 for managed in self.processes.processes:
                     if managed.process.poll() is not None:
                         raise RunFailed(f"{managed.name} exited unexpectedly (code {managed.process.returncode}); see {managed.log_path}")
+                if self.options.superlink is None and time.monotonic() >= next_process_check:
+                    next_process_check = time.monotonic() + SERVERAPP_CHECK_S
+                    if self._serverapp_pids():
+                        serverapp_seen, serverapp_missing_since = True, None
+                    elif serverapp_seen and flower_ended_at is None:
+                        serverapp_missing_since = serverapp_missing_since or time.monotonic()
+                        if time.monotonic() - serverapp_missing_since > FLOWER_END_GRACE_S:
+                            flower_ended_at = serverapp_missing_since  # decide now, as if Flower had said so
+                            next_flower_check = time.monotonic()
                 if time.monotonic() >= next_flower_check:
                     next_flower_check = time.monotonic() + FLOWER_CHECK_S
                     status, details = self.flower_status(control, flower_run_id)
@@ -457,6 +475,7 @@ class LocalRun:
                             if time.monotonic() < self.coordinator_away_until:
                                 continue
                             flower_run_id, flower_ended_at = self._restart_coordinator(), None
+                            serverapp_seen, serverapp_missing_since = False, None
                             continue
                     if flower_ended_at is not None and time.monotonic() - flower_ended_at > FLOWER_END_GRACE_S:
                         raise RunFailed(f"the ServerApp ended ({status}: {details}) without recording the end of run "

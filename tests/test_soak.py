@@ -1,0 +1,62 @@
+"""The chaos soak's short size (benchmarks/soak.py): a synchronous and an asynchronous run, each under a seeded
+schedule of faults (SIGKILLs of SuperNodes, trainers, worker ranks and the coordinator followed by a resume, link
+cuts and resets), end with every round logged exactly once, every asynchronous update applied exactly once, no
+process, port or namespace left behind, every injected fault recovered from, and a final loss within the stated
+tolerance of a fault-free run. Also the schedule's rules on their own."""
+
+from __future__ import annotations
+
+import importlib
+import random
+import sys
+from collections.abc import Iterator
+from pathlib import Path
+from types import ModuleType
+
+import pytest
+
+BENCHMARKS = Path(__file__).resolve().parents[1] / "benchmarks"
+
+
+@pytest.fixture(scope="module")
+def soak() -> Iterator[ModuleType]:
+    sys.path.insert(0, str(BENCHMARKS))
+    try:
+        yield importlib.import_module("soak")
+    finally:
+        sys.path.remove(str(BENCHMARKS))
+
+
+def test_schedule_is_seeded_spaced_and_bounded(soak: ModuleType) -> None:
+    kinds = soak.SIZES["full"]["kinds"]
+    first = soak.schedule(random.Random(7), kinds, 24, 220)
+    again = soak.schedule(random.Random(7), kinds, 24, 220)
+    assert [(f.kind, f.after_round, f.target) for f in first] == [(f.kind, f.after_round, f.target) for f in again]
+    rounds = [f.after_round for f in first]
+    assert rounds == sorted(rounds) and all(b - a >= 3 for a, b in zip(rounds, rounds[1:], strict=False))
+    assert 2 <= rounds[0] and rounds[-1] <= 220 - 3
+    assert set(kinds) <= {f.kind for f in first}  # every kind at least once
+    assert sum(f.kind == "kill-coordinator" for f in first) <= soak.MAX_COORDINATOR_KILLS
+    assert all(f.target == "us-east" for f in first if f.kind == "kill-worker")
+    assert all(f.target in soak.DATACENTERS for f in first if f.kind in ("cut", "reset", "kill-supernode", "kill-trainer"))
+
+
+@pytest.mark.deployment
+@pytest.mark.timeout(600)
+def test_short_soak_loses_and_doubles_nothing(soak: ModuleType, tmp_path: Path) -> None:
+    rows = soak.run_soak("short", seed=0, work=tmp_path)
+    summary = soak.summarize(rows, "short", 0.0)
+    assert {r["strategy"] for r in rows} == {"fedavg", "fedbuff"}
+    for row in rows:
+        assert row["status"] == "finished", row
+        assert row["rounds_lost"] == 0 and row["rounds_duplicated"] == 0 and row["datacenter_rows_duplicated"] == 0, row
+        assert not row["leftovers_found"], row["leftovers"]
+        injected = [f for f in row["faults"] if not f["outcome"].startswith("not injected")]
+        assert injected, row["faults"]
+        assert all("never" not in f["outcome"] and "not resumed" not in f["outcome"] for f in injected), row["faults"]
+        assert row["loss_within_tolerance"], (row["val_loss"], row["reference_val_loss"])
+    fedbuff = next(r for r in rows if r["strategy"] == "fedbuff")
+    assert fedbuff["updates_lost"] == 0 and fedbuff["updates_duplicated"] == 0
+    assert summary["rounds_lost"] == summary["rounds_duplicated"] == summary["updates_duplicated"] == 0
+    assert len(summary["faults"]) == sum(len(r["faults"]) for r in rows)
+    assert all({"kind", "at_s", "target", "outcome"} <= set(f) for f in summary["faults"])
