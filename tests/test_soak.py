@@ -42,7 +42,8 @@ def test_schedule_is_seeded_spaced_and_bounded(soak: ModuleType) -> None:
 
 
 @pytest.mark.deployment
-@pytest.mark.timeout(600)
+@pytest.mark.serial  # four local runs at once load the machine: alone, after the parallel part (and its leftovers
+@pytest.mark.timeout(600)  # check, which looks at every namespace on the machine, sees only its own)
 def test_short_soak_loses_and_doubles_nothing(soak: ModuleType, tmp_path: Path) -> None:
     rows = soak.run_soak("short", seed=0, work=tmp_path)
     summary = soak.summarize(rows, "short", 0.0)
