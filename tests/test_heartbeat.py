@@ -130,6 +130,7 @@ class KilledAndBack(LocalRun):
 
 
 @pytest.mark.deployment
+@pytest.mark.serial  # it bounds the seconds from the kill to the mark on the wall clock: alone, after the parallel part
 @pytest.mark.timeout(400)
 def test_a_killed_datacenter_is_marked_down_before_the_deadline_and_up_on_return(tmp_path: Path) -> None:
     db_url = f"sqlite:///{tmp_path / 'heartbeat.db'}"
