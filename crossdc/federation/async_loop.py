@@ -171,8 +171,9 @@ class AsyncFederation:
         assert self.checkpointer is not None
         self.handled_at[self.version] = dict(self.handled)
         if self.session.checkpoint(self.checkpointer, self.version, self._carried()):
-            retained = {info.round for info in self.checkpointer.store.committed()}
-            self.handled_at = {v: h for v, h in self.handled_at.items() if v in retained}
+            # what no rewind can go back to any more (the checkpointer just read which checkpoints are retained)
+            oldest = self.checkpointer.oldest_round
+            self.handled_at = {v: h for v, h in self.handled_at.items() if v >= oldest}
 
     @property
     def weights(self) -> dict[str, Any]:
