@@ -13,7 +13,10 @@ at least three rounds apart, of these kinds:
 - ``kill-coordinator``: SIGKILL of the ServerApp; the run then fails over to ``crossdc resume``'s path (a new attempt
   from the newest checkpoint: :class:`crossdc.orchestration.local_run.LocalRun` with ``resume``), fresh processes;
 - ``cut`` (8 s) and ``reset`` of a datacenter's link (the delay line drops its packets, resets its connections);
-- ``postgres-restart`` (full size, the run log on PostgreSQL): the database restarted under the run.
+- ``postgres-restart`` (full size, the run log on PostgreSQL): the database restarted under the run;
+- ``nan-update`` and ``corrupt-update``: the datacenter's trainer spoils its next update (a NaN in it, or a tensor of
+  the wrong shape: crossdc.clients.fault_injection; the runs start with fault injection on), which crosses the WAN
+  like any other; the coordinator's update gate must refuse it and the run go on without it.
 
 What is checked and recorded in ``benchmarks/results/soak.json`` (per strategy): every fault with the second it
 came, its target and its outcome as the run log shows it; ``rounds_lost`` / ``rounds_duplicated`` (each round or
@@ -23,9 +26,6 @@ sequence numbers 1..n without gaps or repeats; every version made by exactly K a
 validation loss against a fault-free run of the same config: it may end at most ``loss_tolerance_rel`` (20 %) above
 it (a fault that costs a datacenter a round changes the model, and an asynchronous run's order of arrivals differs
 from run to run anyway; lower is never a failure).
-
-Not in the soak: a datacenter sending a corrupt or NaN update (the update gate's refusal of those is tested on its
-own, tests/test_update_gate.py and the fuzzers; nothing here can make a real trainer send one).
 
     python benchmarks/soak.py --size short   # about 3 minutes (the suite runs it: tests/test_soak.py)
     python benchmarks/soak.py --size full    # 20-30 minutes; writes benchmarks/results/soak.json
@@ -60,6 +60,7 @@ from crossdc.db.queries import get_run, list_async_updates, list_datacenter_roun
 from crossdc.experiment.config import ExperimentConfig, parse_config  # noqa: E402
 from crossdc.experiment.processes import free_port, processes_with_env  # noqa: E402
 from crossdc.orchestration.local_run import RUN_MARKER_ENV, LocalRun, LocalRunOptions, RunFailed  # noqa: E402
+from crossdc.protocol import INJECT_FAULT_OP  # noqa: E402
 
 log = logging.getLogger("crossdc.soak")
 RESULTS = Path(__file__).resolve().parent / "results" / "soak.json"
@@ -70,29 +71,35 @@ CUT_S = 8.0
 #: how much higher (relative) the final validation loss may end than the fault-free run's: a fault costs a datacenter
 #: a round or two, and an asynchronous run's order of arrivals (hence its model) differs from run to run anyway
 LOSS_TOLERANCE_REL = 0.20
+#: the soak's fault kinds that make a datacenter's trainer spoil its next update, and how (fault_injection.POISON_KINDS)
+SPOILED_UPDATES = {"nan-update": "nan", "corrupt-update": "corrupt"}
 #: at most this many coordinator kills per run (each costs a resume: fresh processes, tens of seconds)
 MAX_COORDINATOR_KILLS = 2
 
 SIZES: dict[str, dict[str, Any]] = {
     # rounds per strategy, faults per strategy, fault kinds, PostgreSQL
     "short": {"sync_rounds": 12, "async_versions": 16, "faults": 2, "postgres": False, "datacenters": 2,
-              "kinds": ("kill-trainer", "kill-coordinator", "cut", "kill-supernode", "reset", "kill-worker"),
-              "required": ("kill-coordinator",)},
-    "full": {"sync_rounds": 220, "async_versions": 200, "faults": 24, "postgres": True, "datacenters": 3,
+              "kinds": ("kill-trainer", "kill-coordinator", "cut", "kill-supernode", "reset", "kill-worker",
+                        "nan-update", "corrupt-update"),
+              "required": ("kill-coordinator", "nan-update")},
+    "full": {"sync_rounds": 160, "async_versions": 150, "faults": 24, "postgres": True, "datacenters": 3,
              "kinds": ("kill-supernode", "kill-trainer", "kill-worker", "kill-coordinator", "cut", "reset",
-                       "postgres-restart")},
+                       "postgres-restart", "nan-update", "corrupt-update")},
 }
 
 
 def experiment(kind: str, rounds: int, checkpoint_dir: Path, seed: int, datacenters: int = 3) -> ExperimentConfig:
     """The soak's experiment: `kind` sync (FedAvg) or async (FedBuff, K = 2), on the first `datacenters` of
-    DATACENTERS (us-east with 2 worker ranks)."""
+    DATACENTERS (us-east with 2 worker ranks). The data are split iid: with label skew, an asynchronous run's
+    model after a fault depends on which datacenter carried the versions while another was away (one short run
+    ended 30 % above its fault-free twin after eu-west made 12 updates alone while us-east's worker group
+    restarted), and the loss check would measure the skew, not what the faults lost."""
     strategy = ({"name": "fedavg", "tau": 20} if kind == "sync"
                 else {"name": "fedbuff", "tau": 20, "params": {"buffer_size": 2, "max_staleness": 8}})
     return parse_config({
         "run": {"name": f"soak-{kind}", "rounds": rounds, "seed": seed, "eval_every": 4, "min_replies": 1,
                 "round_timeout_s": 30.0, "heartbeat_timeout_s": 5.0},
-        "workload": {"dataset": "synthetic", "model": "linear", "partition": {"kind": "dirichlet", "alpha": 0.5},
+        "workload": {"dataset": "synthetic", "model": "linear", "partition": {"kind": "iid"},
                      "batch_size": 32, "optimizer": "adamw", "lr": 0.005},
         "strategy": strategy,
         "datacenters": [{"name": name, **({"workers": 2} if name == "us-east" else {})} for name in DATACENTERS[:datacenters]],
@@ -188,6 +195,14 @@ class SoakRun(LocalRun):
         elif fault.kind == "postgres-restart":
             assert self.postgres is not None
             self.postgres.restart()
+        elif fault.kind in SPOILED_UPDATES:
+            try:
+                answer = call_trainer(self.run_dir.trainer_socket(fault.target), self.run_dir.authkey(),
+                                      {"op": INJECT_FAULT_OP, "fault": SPOILED_UPDATES[fault.kind]}, connect_timeout_s=2.0)
+            except TrainerUnavailable as err:
+                answer = {"ok": False, "error": str(err)}
+            if not answer.get("ok"):
+                fault.outcome = f"not injected ({answer.get('error')})"
 
 
 class PostgresControl:
@@ -224,9 +239,9 @@ def _listening(port: int, host: str = "127.0.0.1") -> bool:
 
 
 def run_with_faults(config: ExperimentConfig, db_url: str, runs: Path, faults: list[Fault],
-                    postgres: PostgresControl | None) -> tuple[str, float, list[int]]:
+                    postgres: PostgresControl | None) -> tuple[str, float, list[int], str | None]:
     """Run `config` to its end under `faults`, resuming after every coordinator kill; (run id, seconds, the SuperLink
-    ports it used)."""
+    ports it used, None or why the run failed: a failure is recorded, the run log checked all the same)."""
     started = time.monotonic()
     run_id: str | None = None
     ports: list[int] = []
@@ -235,7 +250,8 @@ def run_with_faults(config: ExperimentConfig, db_url: str, runs: Path, faults: l
         attempts += 1
         port = free_port()
         ports.append(port)
-        options = LocalRunOptions(db_url=db_url, superlink_port=port, runs_root=runs, run_id=run_id, resume=run_id is not None)
+        options = LocalRunOptions(db_url=db_url, superlink_port=port, runs_root=runs, run_id=run_id, resume=run_id is not None,
+                                  fault_injection=True)
         run = SoakRun(config, options, faults, started, postgres)
         run_id = run.run_id
         try:
@@ -245,11 +261,12 @@ def run_with_faults(config: ExperimentConfig, db_url: str, runs: Path, faults: l
             pending_kill = any(f.kind == "kill-coordinator" and f.at_s is not None and "resumed" not in f.outcome
                                for f in faults)
             if not pending_kill or attempts > MAX_COORDINATOR_KILLS + 1:
-                raise
+                log.error("soak: run %s failed: %s", run_id, err)
+                return run_id, time.monotonic() - started, ports, str(err)
             for fault in faults:
                 if fault.kind == "kill-coordinator" and fault.at_s is not None and "resumed" not in fault.outcome:
                     fault.outcome = f"resumed (the run failed: {str(err)[:80]})"
-    return run_id, time.monotonic() - started, ports
+    return run_id, time.monotonic() - started, ports, None
 
 
 def leftovers_of(run_dir: Path, ports: list[int]) -> dict[str, list[Any]]:
@@ -273,6 +290,14 @@ def _outcome(fault: Fault, rows: list[dict[str, Any]], events: list[dict[str, An
         later = sorted({r["round"] for r in rows if r["round"] > after})
         return f"run log written on: {len(later)} later rounds" if later else "no round logged after it"
     target = fault.target
+    if fault.kind in SPOILED_UPDATES:
+        refused = [e for e in events if e["kind"] == "rejected" and e["datacenter"] == target and (e["round"] or 0) >= after]
+        if not refused:
+            return f"{target}'s spoiled update was never refused"
+        later_ok = sorted(r["round"] for r in rows if r["datacenter"] == target and r["round"] > refused[0]["round"]
+                          and r["status"] == "ok")
+        again = f"; {target} ok again at round {later_ok[0]}" if later_ok else f"; {target} not ok again before the end"
+        return f"refused by the update gate at round {refused[0]['round']} ({refused[0]['detail']}){again}"
     back = sorted(r["round"] for r in rows if r["datacenter"] == target and r["round"] > after and r["status"] == "ok")
     missed = sum(1 for r in rows if r["datacenter"] == target and r["round"] > after and r["status"] != "ok"
                  and (not back or r["round"] < back[0]))
@@ -341,10 +366,14 @@ def soak_one(kind: str, size: str, work: Path, seed: int, postgres: PostgresCont
     reference_config = experiment(kind, rounds, work / kind / "reference-checkpoints", seed, len(names))
     reference_db = f"sqlite:///{work / kind / 'reference.db'}"
     reference_job = pool.submit(run_with_faults, reference_config, reference_db, work / kind / "reference-runs", [], None)
-    run_id, wall_s, ports = run_with_faults(config, db_url, work / kind / "runs", faults, postgres)
-    reference_id, reference_s, reference_ports = reference_job.result()
+    run_id, wall_s, ports, error = run_with_faults(config, db_url, work / kind / "runs", faults, postgres)
+    reference_id, reference_s, reference_ports, reference_error = reference_job.result()
     result = check(db_url, run_id, config, faults)
+    if error is not None:
+        result["error"] = error
     reference = check(reference_db, reference_id, reference_config, [])
+    if reference_error is not None:
+        reference["error"] = reference_error
     gap = (None if result["val_loss"] is None or reference["val_loss"] is None
            else (result["val_loss"] - reference["val_loss"]) / reference["val_loss"])
     leftovers = leftovers_of(work / kind / "runs" / run_id, ports)
@@ -352,24 +381,29 @@ def soak_one(kind: str, size: str, work: Path, seed: int, postgres: PostgresCont
     leftovers = {key: leftovers[key] + reference_left[key] for key in leftovers}
     return {"strategy": config.strategy.name, "size": size, "seed": seed, "rounds": rounds, "wall_s": round(wall_s, 1),
             "reference_wall_s": round(reference_s, 1), **result, "reference_val_loss": reference["val_loss"],
+            "reference_status": reference["status"], "reference_error": reference.get("error"),
             "loss_gap_rel": gap, "loss_tolerance_rel": LOSS_TOLERANCE_REL,
             "loss_within_tolerance": gap is not None and gap <= LOSS_TOLERANCE_REL, "leftovers": leftovers}
 
 
-def run_soak(size: str, seed: int = 0, work: Path | None = None) -> list[dict[str, Any]]:
-    """The soak of `size` for both strategies side by side, with their fault-free references; one result row each
-    (see the module docstring). Network namespaces left over are looked for once all are done."""
+def run_soak(size: str, seed: int = 0, work: Path | None = None, kinds: tuple[str, ...] = ("sync", "async"),
+             ) -> list[dict[str, Any]]:
+    """The soak of `size` for the strategies of `kinds` side by side, with their fault-free references; one result
+    row each (see the module docstring). Network namespaces left over are looked for once all are done. With
+    `work`, the runs' folders and the PostgreSQL database are kept (to read after a failure)."""
     postgres = PostgresControl() if SIZES[size]["postgres"] else None
     namespaces_before = _namespaces()
     try:
-        # both strategies' runs under faults side by side, their references in the one slot left (3 runs at a time)
-        with tempfile.TemporaryDirectory(prefix="crossdc-soak-") as scratch, ThreadPoolExecutor(max_workers=3) as pool:
+        # both strategies' runs under faults and their references, all four side by side
+        with tempfile.TemporaryDirectory(prefix="crossdc-soak-") as scratch, ThreadPoolExecutor(max_workers=4) as pool:
             base = work or Path(scratch)
-            jobs = [pool.submit(soak_one, kind, size, base, seed, postgres, pool) for kind in ("sync", "async")]
+            jobs = [pool.submit(soak_one, kind, size, base, seed, postgres, pool) for kind in kinds]
             rows = [job.result() for job in jobs]
     finally:
-        if postgres is not None:
+        if postgres is not None and work is None:
             postgres.drop()
+        elif postgres is not None:
+            log.warning("soak: the run log is kept in %s", postgres.url)
     namespaces_left = sorted(_namespaces() - namespaces_before)
     for row in rows:
         row["leftovers"]["namespaces"] = namespaces_left
@@ -377,18 +411,23 @@ def run_soak(size: str, seed: int = 0, work: Path | None = None) -> list[dict[st
     return rows
 
 
+def _loss(value: float | None) -> str:
+    return "-" if value is None else f"{value:.4f}"
+
+
 def table(rows: list[dict[str, Any]]) -> str:
-    lines = ["| strategy | rounds | faults | resumes | rounds lost/dup | updates lost/dup | val loss (fault-free) | gap "
-             "| leftovers | wall |",
-             "|---|---|---|---|---|---|---|---|---|---|"]
+    lines = ["| strategy | status | rounds | faults | resumes | rounds lost/dup | updates lost/dup | val loss (fault-free) "
+             "| gap | leftovers | wall |",
+             "|---|---|---|---|---|---|---|---|---|---|---|"]
     for r in rows:
         updates = f"{r.get('updates_lost', '-')}/{r.get('updates_duplicated', '-')}"
-        lines.append(f"| {r['strategy']} | {r['rounds']} | {len(r['faults'])} | {r['resumes']} | {r['rounds_lost']}/"
-                     f"{r['rounds_duplicated']} | {updates} | {r['val_loss']:.4f} ({r['reference_val_loss']:.4f}) | "
-                     f"{100 * (r['loss_gap_rel'] or 0):+.1f}% | {'yes' if r['leftovers_found'] else 'none'} | {r['wall_s']:.0f} s |")
+        lines.append(f"| {r['strategy']} | {r['status']} | {r['rounds']} | {len(r['faults'])} | {r['resumes']} | "
+                     f"{r['rounds_lost']}/{r['rounds_duplicated']} | {updates} | {_loss(r['val_loss'])} "
+                     f"({_loss(r['reference_val_loss'])}) | {100 * (r['loss_gap_rel'] or 0):+.1f}% | "
+                     f"{'yes' if r['leftovers_found'] else 'none'} | {r['wall_s']:.0f} s |")
     for r in rows:
         lines.append("")
-        lines.append(f"{r['strategy']}:")
+        lines.append(f"{r['strategy']}:" + (f" failed: {r['error']}" if r.get("error") else ""))
         lines.extend(f"- {f['kind']} on {f['target']} after round {f['after_round']} ({f['at_s']} s): {f['outcome']}"
                      for f in r["faults"])
     return "\n".join(lines)
@@ -399,10 +438,12 @@ def main() -> None:
     parser.add_argument("--size", choices=sorted(SIZES), default="short")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--out", type=Path, default=RESULTS)
+    parser.add_argument("--work", type=Path, default=None, help="keep the runs' folders (and the database) here")
+    parser.add_argument("--only", choices=("sync", "async"), default=None, help="one strategy's soak only")
     args = parser.parse_args()
     logging.basicConfig(level=logging.WARNING, format="%(asctime)s %(name)s %(levelname)s %(message)s")
     started = time.monotonic()
-    rows = run_soak(args.size, args.seed)
+    rows = run_soak(args.size, args.seed, args.work, (args.only,) if args.only else ("sync", "async"))
     write_results(args.out, summarize(rows, args.size, time.monotonic() - started), table(rows))
 
 

@@ -65,6 +65,10 @@ PAYLOAD_STYPE = "crossdc.payload"
 # ---------------------------------------------------------------- config keys (coordinator → datacenter)
 #: the hello query: the configured datacenters' names, comma-separated
 HELLO_DATACENTERS = "datacenters"
+#: the hello query of a run on a standing federation with a heartbeat: the coordinator's heartbeat UDP port and the
+#: attempt's heartbeat key (hex) (crossdc.deployment.heartbeat.HeartbeatOffer)
+HELLO_HEARTBEAT_PORT = "heartbeat-port"
+HELLO_HEARTBEAT_KEY = "heartbeat-key"
 #: crossdc's run id, its run folder (also the Flower App's run-config key), and the experiment config (JSON)
 RUN_ID = "crossdc-run-id"
 RUN_DIR = "crossdc-run-dir"
@@ -171,6 +175,8 @@ STREAM_OP = "stream"
 TRAIN_OP = "train"
 PING_OP = "ping"
 STOP_OP = "stop"
+#: a chaos test's request that the trainer spoil its next update (crossdc.clients.fault_injection)
+INJECT_FAULT_OP = "inject-fault"
 #: rank 0's commands to the other ranks of a datacenter's worker group in a streaming run (crossdc.clients.worker):
 #: run n more inner steps, take these weights, take this optimizer state and data position
 STEPS_OP = "steps"

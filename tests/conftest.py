@@ -17,9 +17,11 @@ from typing import Any
 import pytest
 from sqlalchemy.engine import make_url
 
+from crossdc.clients.channel import call_trainer
 from crossdc.db.engine import make_engine, upgrade
 from crossdc.db.queries import get_run, list_datacenter_rounds, list_events, list_rounds
 from crossdc.experiment.processes import free_port, is_running
+from crossdc.experiment.rundir import RunDir
 from crossdc.wan.network import namespaces_unavailable
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
@@ -289,3 +291,22 @@ def run_and_kill_when(config: Path, db_url: str, runs: Path, env: dict[str, str]
     os.kill(coordinator.pid, signal.SIGKILL)
     coordinator.wait(timeout=30)
     return run_id
+
+
+class TrainerService:
+    """The real persistent trainer of datacenter dc-a of run group-test, started as `crossdc run` starts it
+    (`settings`: more keys of the run's settings)."""
+
+    def __init__(self, root: Path, doc: dict, **settings: Any) -> None:
+        self.run_dir = RunDir(root)
+        self.run_dir.create({"run_id": "group-test", "db_url": "sqlite://", "config": doc, **settings})
+        self.process = subprocess.Popen([sys.executable, "-m", "crossdc.clients.trainer", "--run-dir", str(root), "--datacenter", "dc-a"],
+                                        stdout=open(root / "trainer.log", "wb"), stderr=subprocess.STDOUT)
+
+    def call(self, request: dict) -> dict:
+        return call_trainer(self.run_dir.trainer_socket("dc-a"), self.run_dir.authkey(), request, connect_timeout_s=120)
+
+    def close(self) -> None:
+        self.process.send_signal(signal.SIGTERM)
+        self.process.wait(timeout=60)
+        self.run_dir.remove_sockets()

@@ -85,6 +85,42 @@ def test_a_monitor_marks_a_silent_sender_down_and_up_again() -> None:
         monitor.stop()
 
 
+def _wait_for(condition: Any, within_s: float = 10) -> bool:
+    deadline = time.monotonic() + within_s
+    while not condition() and time.monotonic() < deadline:
+        time.sleep(0.05)
+    return bool(condition())
+
+
+def test_a_sender_follows_its_target_and_a_bound_monitor_judges_only_once_started() -> None:
+    """A node's trainer beats wherever its run's settings say now (a resumed attempt offers a new port and key); a
+    monitor on port 0 says which port it got, and gives every datacenter its timeout from start(), not from bind."""
+    first = HeartbeatMonitor("127.0.0.1", 0, "run-1", KEY, ["us-east"], timeout_s=0.5, on_change=lambda *_: None)
+    other_key = b"o" * 32
+    second = HeartbeatMonitor("127.0.0.1", 0, "run-1", other_key, ["us-east"], timeout_s=0.5, on_change=lambda *_: None)
+    assert first.port > 0 and second.port > 0 and first.port != second.port
+    time.sleep(0.7)  # longer than the timeout, before start: nobody is down yet
+    first.start()
+    second.start()
+    target: list[Any] = [(("127.0.0.1", first.port), KEY)]
+    sender = HeartbeatSender(("127.0.0.1", 9), "run-1", "us-east", b"unused", 0.05, retarget=lambda: target[0]).start()
+    try:
+        assert _wait_for(lambda: first.beats["us-east"] >= 3) and first.down() == set()
+        target[0] = None  # the settings name no heartbeat for now: no beat goes anywhere
+        time.sleep(0.2)
+        sent = sender.sent
+        time.sleep(0.3)
+        assert sender.sent == sent
+        target[0] = (("127.0.0.1", second.port), other_key)
+        assert _wait_for(lambda: second.beats["us-east"] >= 3)
+        assert _wait_for(lambda: first.down() == {"us-east"}) and second.down() == set() and second.refused == 0
+    finally:
+        sender.stop()
+        first.stop()
+        second.stop()
+    HeartbeatMonitor("127.0.0.1", 0, "run-1", KEY, ["a"], timeout_s=1, on_change=lambda *_: None).stop()  # never started
+
+
 def test_heartbeat_timeout_is_checked() -> None:
     base = {"run": {"rounds": 1}, "workload": {"dataset": "synthetic", "model": "linear", "batch_size": 8,
                                                "optimizer": "sgd", "lr": 0.1},

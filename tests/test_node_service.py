@@ -16,6 +16,8 @@ import pytest
 
 from crossdc.clients.channel import TrainerFailed, TrainerUnavailable, call_trainer
 from crossdc.clients.node import node_authkey, node_socket
+from crossdc.deployment.heartbeat import HeartbeatMonitor
+from crossdc.experiment.rundir import SETTINGS_HEARTBEAT, SETTINGS_HEARTBEAT_KEY
 
 EXAMPLE = Path(__file__).parent.parent / "examples" / "synthetic-2dc.toml"
 
@@ -29,7 +31,8 @@ def _config(**run: object) -> str:
 @pytest.fixture
 def node(tmp_path: Path):
     state_dir = tmp_path / "node-state"
-    process = subprocess.Popen([sys.executable, "-m", "crossdc.clients.node", "--state-dir", str(state_dir), "--datacenter", "us-east"],
+    process = subprocess.Popen([sys.executable, "-m", "crossdc.clients.node", "--state-dir", str(state_dir), "--datacenter", "us-east",
+                                "--coordinator-host", "127.0.0.1"],
                                stdout=subprocess.PIPE, stderr=subprocess.STDOUT, start_new_session=True)
     key = node_authkey(state_dir)
     deadline = time.monotonic() + 60
@@ -97,3 +100,36 @@ def test_least_recently_used_trainer_is_stopped_beyond_max_runs(node) -> None:
     time.sleep(0.5)
     assert _pids_alive(pids["r1"]) == []
     assert _pids_alive(pids["r2"]) == pids["r2"] and _pids_alive(pids["r3"]) == pids["r3"]
+
+
+@pytest.mark.deployment
+def test_a_hellos_heartbeat_offer_makes_the_trainer_beat_to_the_coordinator(node) -> None:
+    """What a standing federation's coordinator offers in its hello (port and key) reaches the run's settings on the
+    node, and the run's trainer beats there, signed with that key; a later offer (a resumed attempt) is followed; a
+    malformed offer is refused with the reason."""
+    state_dir, key = node
+    sock = node_socket(state_dir)
+    offered_key = os.urandom(32)
+    monitor = HeartbeatMonitor("0.0.0.0", 0, "run-h", offered_key, ["us-east"], timeout_s=60, on_change=lambda *_: None).start()
+    again = HeartbeatMonitor("0.0.0.0", 0, "run-h", b"n" * 32, ["us-east"], timeout_s=60, on_change=lambda *_: None).start()
+    try:
+        config = _config(heartbeat_timeout_s=0.6)
+        call_trainer(sock, key, {"op": "prepare", "run_id": "run-h", "config": config,
+                                 "heartbeat": [monitor.port, offered_key.hex()]})
+        settings = json.loads((state_dir / "runs" / "run-h" / "run.json").read_text())
+        assert settings[SETTINGS_HEARTBEAT] == ["127.0.0.1", monitor.port] and settings[SETTINGS_HEARTBEAT_KEY] == offered_key.hex()
+        deadline = time.monotonic() + 60
+        while monitor.beats["us-east"] < 2 and time.monotonic() < deadline:
+            time.sleep(0.1)
+        assert monitor.beats["us-east"] >= 2 and monitor.refused == 0
+        call_trainer(sock, key, {"op": "prepare", "run_id": "run-h", "config": config, "heartbeat": [again.port, (b"n" * 32).hex()]})
+        deadline = time.monotonic() + 30
+        while again.beats["us-east"] < 2 and time.monotonic() < deadline:
+            time.sleep(0.1)
+        assert again.beats["us-east"] >= 2
+        for bad in ([0, offered_key.hex()], ["port", "key"], [monitor.port, "zz"], [monitor.port, "ab"], "offer"):
+            with pytest.raises(TrainerFailed, match="bad heartbeat offer"):
+                call_trainer(sock, key, {"op": "prepare", "run_id": "run-h", "config": config, "heartbeat": bad})
+    finally:
+        monitor.stop()
+        again.stop()

@@ -195,6 +195,9 @@ def _operate_and_enroll(tmp_path: Path, env: dict[str, str], processes: ProcessG
         assert summary["run_id"] == run_id and summary["rounds"] == 3
         logged = read_run(db_url, run_id)
         assert logged["run"]["status"] == "finished"
+        # the nodes' trainers beat to the coordinator across the emulated WAN, signed with the key its hello offered
+        heartbeats = logged["run"]["result"]["heartbeats"]
+        assert all(heartbeats["beats"][name] >= 1 for name in DATACENTERS) and heartbeats["refused"] == 0, heartbeats
         assert len(logged["dc_rounds"]) == 6 and all(r["status"] == "ok" for r in logged["dc_rounds"])
         # Flower's own view of the run, from its Control API (what a local run checks in place of `flwr ls`)
         flower_run = parse_flower_run_ids(logged["run"]["flower_run_ids"])[-1]

@@ -4,16 +4,14 @@ from __future__ import annotations
 
 import os
 import signal
-import subprocess
-import sys
 import time
 from pathlib import Path
 
 import numpy as np
 import pytest
-from conftest import processes_mentioning  # tests/ is on sys.path
+from conftest import TrainerService, processes_mentioning  # tests/ is on sys.path
 
-from crossdc.clients.channel import TrainerFailed, call_trainer
+from crossdc.clients.channel import TrainerFailed
 from crossdc.experiment.builders import build_workload, initial_model
 from crossdc.experiment.config import parse_config
 from crossdc.experiment.processes import is_running
@@ -29,24 +27,6 @@ def experiment(optimizer: str, workers: int, strategy: str = "fedavg", params: d
         "strategy": {"name": strategy, "tau": 4, "params": params or {}},
         "datacenters": [{"name": "dc-a", "workers": workers}],
     }
-
-
-class TrainerService:
-    """The real persistent trainer of one datacenter, started as `crossdc run` starts it."""
-
-    def __init__(self, root: Path, doc: dict) -> None:
-        self.run_dir = RunDir(root)
-        self.run_dir.create({"run_id": "group-test", "db_url": "sqlite://", "config": doc})
-        self.process = subprocess.Popen([sys.executable, "-m", "crossdc.clients.trainer", "--run-dir", str(root), "--datacenter", "dc-a"],
-                                        stdout=open(root / "trainer.log", "wb"), stderr=subprocess.STDOUT)
-
-    def call(self, request: dict) -> dict:
-        return call_trainer(self.run_dir.trainer_socket("dc-a"), self.run_dir.authkey(), request, connect_timeout_s=120)
-
-    def close(self) -> None:
-        self.process.send_signal(signal.SIGTERM)
-        self.process.wait(timeout=60)
-        self.run_dir.remove_sockets()
 
 
 def initial_weights(doc: dict) -> dict[str, np.ndarray]:

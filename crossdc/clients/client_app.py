@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import time
 from pathlib import Path
+from typing import Any
 
 from flwr.app import ConfigRecord, Context, Message, RecordDict
 from flwr.clientapp import ClientApp
@@ -53,12 +54,15 @@ def _node_service(context: Context, request: dict) -> dict:
 @app.query()
 def hello(msg: Message, context: Context) -> Message:
     """Tell the server which datacenter this node is; a production node also prepares the run's trainer from the
-    run id and config the hello carries."""
+    run id and config the hello carries, and hands it the coordinator's heartbeat offer if the hello has one."""
     config = msg.content[CONFIG_KEY]
     known = str(config.get(proto.HELLO_DATACENTERS, "")).split(",")
     name = datacenter_name(context, known)
     if proto.NODE_SERVICE in context.node_config and proto.RUN_ID in config:
-        _node_service(context, {"run_id": str(config[proto.RUN_ID]), "config": str(config.get(proto.RUN_CONFIG, ""))})
+        request: dict[str, Any] = {"run_id": str(config[proto.RUN_ID]), "config": str(config.get(proto.RUN_CONFIG, ""))}
+        if proto.HELLO_HEARTBEAT_PORT in config:  # the coordinator's heartbeat, for the run's trainer to beat to
+            request["heartbeat"] = [int(config[proto.HELLO_HEARTBEAT_PORT]), str(config.get(proto.HELLO_HEARTBEAT_KEY, ""))]
+        _node_service(context, request)
     return Message(RecordDict({CONFIG_KEY: ConfigRecord({proto.DATACENTER: name})}), reply_to=msg)
 
 

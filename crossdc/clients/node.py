@@ -13,6 +13,10 @@ node service promises:
   later ones find it running, and a trainer that died is started again from its state store;
 - the run's config is the coordinator's, sent in every train message, and must name this datacenter;
   a different config for a run already prepared is refused (a run id means one experiment);
+- a hello that offers the coordinator's heartbeat (``"heartbeat": [port, key hex]`` in the prepare request) is
+  recorded in the run's settings, so the run's trainer beats to that port on the SuperLink's host (the node's
+  ``--coordinator-host``) with that key; a later attempt's offer replaces an earlier one, and a running trainer
+  beats to the new one from its next beat on;
 - at most `max_runs` trainers stay alive; the least recently used one is stopped beyond that;
 - stopping the service stops its trainers.
 """
@@ -38,7 +42,7 @@ from crossdc import protocol as proto
 from crossdc.clients.channel import TrainerUnavailable, call_trainer, serve_requests
 from crossdc.experiment.config import ConfigError, parse_config
 from crossdc.experiment.processes import ProcessGroup, die_with_parent
-from crossdc.experiment.rundir import RunDir
+from crossdc.experiment.rundir import SETTINGS_HEARTBEAT, SETTINGS_HEARTBEAT_KEY, RunDir
 
 log = logging.getLogger("crossdc.node")
 
@@ -88,6 +92,8 @@ class NodeService:
     state_dir: Path
     datacenter: str
     max_runs: int = 2
+    #: the host the coordinator's heartbeat is reached at (the SuperLink's, as this node reaches it); None: no heartbeat
+    coordinator_host: str | None = None
     processes: ProcessGroup = field(default_factory=ProcessGroup)
     #: run id → when it was last used (``time.monotonic()``), least recently used first
     last_used: _Trainers = field(init=False)
@@ -106,13 +112,14 @@ class NodeService:
             if op == proto.PING_OP:
                 return {"ok": True, "pid": os.getpid(), "datacenter": self.datacenter, "runs": sorted(self.last_used)}
             if op == proto.PREPARE_OP:
-                return self.prepare(str(request.get("run_id", "")), str(request.get("config", "")))
+                return self.prepare(str(request.get("run_id", "")), str(request.get("config", "")), request.get("heartbeat"))
         except NodeError as err:  # the request's fault: answered, not logged as a failure of the service
             return {"ok": False, "error": str(err)}
         return {"ok": False, "error": f"unknown node op {op!r}"}
 
-    def prepare(self, run_id: str, config_json: str) -> dict[str, Any]:
+    def prepare(self, run_id: str, config_json: str, heartbeat: Any = None) -> dict[str, Any]:
         run_dir = self.run_dir(run_id)
+        offer = heartbeat_offer(heartbeat) if heartbeat is not None else None
         if not config_json:
             if not run_dir.settings_file.exists():
                 raise NodeError(f"run {run_id} was never announced to this node (its hello carries the config)")
@@ -130,6 +137,11 @@ class NodeService:
         else:
             run_dir.create({"run_id": run_id, "config": doc, "db_url": None})
             run_dir.authkey_file.write_bytes(node_authkey(self.state_dir))
+        if offer is not None and self.coordinator_host is not None:
+            settings = run_dir.settings()
+            target = {SETTINGS_HEARTBEAT: [self.coordinator_host, offer[0]], SETTINGS_HEARTBEAT_KEY: offer[1]}
+            if any(settings.get(key) != value for key, value in target.items()):
+                run_dir.update_settings(target)
         name = f"trainer-{run_id}"
         managed = self.processes.find(name)
         if managed is not None and managed.process.poll() is not None:
@@ -171,9 +183,22 @@ class NodeService:
         self.processes.stop_all()
 
 
-def serve(state_dir: Path, datacenter: str, max_runs: int = 2) -> None:
+def heartbeat_offer(offer: Any) -> tuple[int, str]:
+    """(port, key hex) of a prepare request's heartbeat offer; NodeError for anything else."""
+    try:
+        port, key = offer
+        port, key = int(port), str(key)
+        bytes.fromhex(key)
+    except (TypeError, ValueError):
+        raise NodeError(f"bad heartbeat offer {str(offer)[:80]!r}: expected [port, key in hex]") from None
+    if not 0 < port < 65536 or not 16 <= len(key) // 2 <= 64:
+        raise NodeError(f"bad heartbeat offer: port {port} or a key of {len(key) // 2} bytes")
+    return port, key
+
+
+def serve(state_dir: Path, datacenter: str, max_runs: int = 2, coordinator_host: str | None = None) -> None:
     """Serve requests until SIGTERM/SIGINT; trainers stop with the service."""
-    service = NodeService(state_dir, datacenter, max_runs)
+    service = NodeService(state_dir, datacenter, max_runs, coordinator_host)
     socket_path = node_socket(state_dir)
     socket_path.parent.mkdir(parents=True, exist_ok=True)
     socket_path.unlink(missing_ok=True)
@@ -199,10 +224,12 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--state-dir", type=Path, required=True)
     parser.add_argument("--datacenter", required=True)
     parser.add_argument("--max-runs", type=int, default=2)
+    parser.add_argument("--coordinator-host", default=None,
+                        help="where the coordinator's heartbeat is reached (the SuperLink's host); none: no heartbeat")
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
     die_with_parent()
-    serve(args.state_dir.resolve(), args.datacenter, args.max_runs)
+    serve(args.state_dir.resolve(), args.datacenter, args.max_runs, args.coordinator_host)
 
 
 if __name__ == "__main__":

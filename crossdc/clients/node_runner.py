@@ -59,6 +59,13 @@ def exit_explanation(name: str, code: int | None, log_path: Path, auth_key: Path
     return f"{name} exited (code {code})"
 
 
+def superlink_host(superlink: str) -> str:
+    """The host of a SuperLink address HOST:PORT (an IPv6 host without its brackets): where the coordinator's
+    heartbeat is reached."""
+    host = superlink.rpartition(":")[0] or superlink
+    return host[1:-1] if host.startswith("[") and host.endswith("]") else host
+
+
 def run_node(superlink: str, datacenter: str, state_dir: Path, root_certificates: Path | None, insecure: bool,
              max_runs: int = 2, ready_timeout_s: float = 60.0, auth_key: Path | None = None) -> None:
     """Start the node service and the SuperNode; return on Ctrl-C, raise NodeFailed if either exits (a SuperNode
@@ -70,7 +77,8 @@ def run_node(superlink: str, datacenter: str, state_dir: Path, root_certificates
     logs = state_dir / "logs"
     try:
         service = processes.start("node-service", [sys.executable, "-m", "crossdc.clients.node", "--state-dir", str(state_dir),
-                                                   "--datacenter", datacenter, "--max-runs", str(max_runs)],
+                                                   "--datacenter", datacenter, "--max-runs", str(max_runs),
+                                                   "--coordinator-host", superlink_host(superlink)],
                                   logs / "node-service.log", env=env)
         deadline = time.monotonic() + ready_timeout_s
         while not node_socket(state_dir).exists():

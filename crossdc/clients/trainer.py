@@ -16,6 +16,8 @@ Protocol (one request per connection, pickled dicts):
   w_local − w_global after exactly `tau` steps with the run's strategy's local hooks, `received` the message's
   extra tensor groups (e.g. SCAFFOLD's ``control``) and `extras` the strategy's tensor groups for the reply
   (see :mod:`crossdc.clients.local_round` and :mod:`crossdc.strategies.base`).
+- ``{"op": "inject-fault", "fault": "nan" | "corrupt"}`` → ``{"ok": True}``: the next train reply's update is
+  spoiled (chaos tests; only in a run started with fault injection, see :mod:`crossdc.clients.fault_injection`).
 - any failure → ``{"ok": False, "error": "one line"}``; the trainer keeps serving.
 """
 
@@ -40,6 +42,7 @@ import torch.distributed as dist
 
 from crossdc import protocol as proto
 from crossdc.clients.channel import serve_requests
+from crossdc.clients.fault_injection import POISON_KINDS, poison_answer
 from crossdc.clients.gossip_agent import GossipAgent, GossipFailed, RoundReport
 from crossdc.clients.gossip_replica import GossipReplica, dense_payload
 from crossdc.clients.gossip_transport import GossipTransport, exchange_all
@@ -52,11 +55,18 @@ from crossdc.clients.worker import GROUP_TIMEOUT, GroupTrainer, backend, build_r
 from crossdc.compression.downlink import DownlinkOutOfSync, receive
 from crossdc.compression.uplink import decode_arrays
 from crossdc.compression.wire import CodecError
-from crossdc.deployment.heartbeat import BEATS_PER_TIMEOUT, HeartbeatSender
+from crossdc.deployment.heartbeat import BEATS_PER_TIMEOUT, HeartbeatSender, Target
 from crossdc.experiment.builders import datacenter_seed, initial_model
 from crossdc.experiment.config import ExperimentConfig, inner_steps_planned, parse_config
 from crossdc.experiment.processes import die_with_parent
-from crossdc.experiment.rundir import SETTINGS_GOSSIP_ADDRESSES, SETTINGS_HEARTBEAT, SETTINGS_PIPELINE_GROUP, RunDir
+from crossdc.experiment.rundir import (
+    SETTINGS_FAULT_INJECTION,
+    SETTINGS_GOSSIP_ADDRESSES,
+    SETTINGS_HEARTBEAT,
+    SETTINGS_HEARTBEAT_KEY,
+    SETTINGS_PIPELINE_GROUP,
+    RunDir,
+)
 from crossdc.protocol import GossipRequest, PipelineRequest, ProtocolError, StreamRequest, TrainRequest
 from crossdc.strategies.base import Strategy, StrategyError
 from crossdc.strategies.gossip import Gossip
@@ -95,6 +105,8 @@ class DatacenterTrainer:
         #: a pipeline run's stage, and the last round it trained
         self.stage: StageRunner | None = None
         self.stage_round = 0
+        #: an injected fault for the next train reply (crossdc.clients.fault_injection), or None
+        self.poison_next: str | None = None
         self.world = next(dc.workers for dc in config.datacenters if dc.name == datacenter)
         self.codecs, self.codec_seed = config.compression.codecs, datacenter_seed(config, datacenter)
         self.generation = 0
@@ -202,7 +214,21 @@ class DatacenterTrainer:
             return self._gossip(request)
         if op == proto.PIPELINE_OP:
             return self._pipeline(request)
+        if op == proto.INJECT_FAULT_OP:
+            return self._inject_fault(request)
         return {"ok": False, "error": f"unknown trainer op {op!r}"}
+
+    def _inject_fault(self, request: dict[str, Any]) -> dict[str, Any]:
+        """Spoil the next train reply's update as `request["fault"]` says, if this run was started with fault
+        injection on (crossdc.clients.fault_injection); a refusal otherwise."""
+        if not self.run_dir.settings().get(SETTINGS_FAULT_INJECTION):
+            return {"ok": False, "error": f"{self.datacenter}: fault injection is off for run {self.run_id}"}
+        kind = request.get("fault")
+        if kind not in POISON_KINDS:
+            return {"ok": False, "error": f"unknown injected fault {kind!r}; expected one of {', '.join(POISON_KINDS)}"}
+        self.poison_next = str(kind)
+        log.warning("fault injection: the next update of %s will be spoiled (%s)", self.datacenter, kind)
+        return {"ok": True}
 
     def _pipeline(self, message: dict[str, Any]) -> dict[str, Any]:
         """One round of a pipeline run at this datacenter's stage: its τ optimizer steps with the other stages, its
@@ -515,6 +541,8 @@ class DatacenterTrainer:
             return {"ok": False, "error": message}
         self.last_round = server_round
         answer["metrics"].update({proto.TRAINER_PID: os.getpid(), proto.WORKERS: self.world, proto.WORKER_PIDS: pids})
+        if self.poison_next is not None:  # an injected fault: only the reply is spoiled, the local state is sound
+            answer, self.poison_next = poison_answer(answer, self.poison_next), None
         return {"ok": True, **answer}
 
 
@@ -530,13 +558,26 @@ GOSSIP_STATE_KEY = "gossip-replica"
 
 def start_heartbeat(run_dir: RunDir, config: ExperimentConfig, run_id: str, datacenter: str) -> HeartbeatSender | None:
     """This datacenter's heartbeat to the coordinator (crossdc.deployment.heartbeat), every timeout / 6, when the run
-    asks for one (``run.heartbeat_timeout_s`` > 0) and says where it goes (a local run's settings); else None."""
-    address = run_dir.settings().get(SETTINGS_HEARTBEAT)
+    asks for one (``run.heartbeat_timeout_s`` > 0) and its settings say where it goes (a local run's; a standing
+    federation's node records the coordinator's offer there, and a later attempt's offer is followed from the next
+    beat on); else None."""
     timeout_s = config.run.heartbeat_timeout_s
-    if not address or timeout_s <= 0:
+    first = heartbeat_target(run_dir)
+    if first is None or timeout_s <= 0:
         return None
-    return HeartbeatSender((str(address[0]), int(address[1])), run_id, datacenter, run_dir.authkey(),
-                           timeout_s / BEATS_PER_TIMEOUT).start()
+    return HeartbeatSender(first[0], run_id, datacenter, first[1], timeout_s / BEATS_PER_TIMEOUT,
+                           retarget=functools.partial(heartbeat_target, run_dir)).start()
+
+
+def heartbeat_target(run_dir: RunDir) -> Target | None:
+    """Where the run's settings say its heartbeat goes and its key (the settings' heartbeat key, or the run's own);
+    None when they name no heartbeat."""
+    settings = run_dir.settings()
+    address = settings.get(SETTINGS_HEARTBEAT)
+    if not address:
+        return None
+    key = settings.get(SETTINGS_HEARTBEAT_KEY)
+    return (str(address[0]), int(address[1])), bytes.fromhex(key) if key else run_dir.authkey()
 
 
 def serve(run_dir: RunDir, datacenter: str) -> None:

@@ -10,7 +10,8 @@ Promises:
   (HMAC-SHA256); :func:`decode_beat` answers None for anything else (a datagram of another run, forged, truncated,
   oversized or random), never raises;
 * :class:`HeartbeatSender` sends a beat every ``interval_s`` from a daemon thread until stopped; a send that fails
-  (the link is cut, the coordinator is gone) is retried at the next beat;
+  (the link is cut, the coordinator is gone) is retried at the next beat; with ``retarget`` it asks before every beat
+  where to send it and with which key (a standing federation's node: each attempt at a run offers its own);
 * :func:`liveness_changes` is the one rule (pure): a datacenter not heard from for more than ``timeout_s`` since
   its last beat (or since monitoring began, if it never beat) is *down*; one heard from again is *up*; only changes
   are reported;
@@ -18,7 +19,11 @@ Promises:
   ``on_change(datacenter, up, silent_s)`` once per change (``datacenter-down`` / ``datacenter-up`` events, in the
   federation); :meth:`HeartbeatMonitor.down` is the set down now, :meth:`HeartbeatMonitor.down_since` adds those
   that went down since a moment (a message sent them then may be lost), :meth:`HeartbeatMonitor.came_up_since`
-  those back since a moment.
+  those back since a moment. Its socket is bound when it is made (:attr:`HeartbeatMonitor.port` is known at once,
+  to offer it), judging begins at :meth:`HeartbeatMonitor.start`: a datacenter is given `timeout_s` from then.
+* :class:`HeartbeatOffer` is what a coordinator on a standing federation offers the datacenters in its hello: the
+  UDP port its monitor listens on (on every interface; a datacenter sends to the SuperLink's host as it reaches it)
+  and a key made for this attempt at the run.
 """
 
 from __future__ import annotations
@@ -84,12 +89,26 @@ def liveness_changes(last_heard: Mapping[str, float], down: Iterable[str], now: 
     return changes
 
 
-class HeartbeatSender:
-    """Beats of one datacenter of one run to ``address`` (host, port), every `interval_s`, from a daemon thread."""
+#: a heartbeat's destination and key: ((host, port), key)
+Target = tuple[tuple[str, int], bytes]
 
-    def __init__(self, address: tuple[str, int], run_id: str, datacenter: str, key: bytes, interval_s: float) -> None:
+
+@dataclass(frozen=True)
+class HeartbeatOffer:
+    """A standing federation's coordinator's heartbeat, as its hello offers it to the datacenters."""
+
+    port: int
+    key: bytes
+
+
+class HeartbeatSender:
+    """Beats of one datacenter of one run to ``address`` (host, port), every `interval_s`, from a daemon thread;
+    with `retarget`, to wherever (and with whichever key) it answers before each beat (None: skip that beat)."""
+
+    def __init__(self, address: tuple[str, int], run_id: str, datacenter: str, key: bytes, interval_s: float,
+                 retarget: Callable[[], Target | None] | None = None) -> None:
         self.address, self.run_id, self.datacenter, self.key = address, run_id, datacenter, key
-        self.interval_s = interval_s
+        self.interval_s, self.retarget = interval_s, retarget
         self.sent = 0
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name=f"heartbeat-{datacenter}", daemon=True)
@@ -101,6 +120,16 @@ class HeartbeatSender:
     def _run(self) -> None:
         with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as sock:
             while not self._stop.is_set():
+                if self.retarget is not None:
+                    try:
+                        target = self.retarget()
+                    except Exception as err:  # an unreadable answer: keep the last target
+                        log.debug("heartbeat of %s: keeping its target: %s", self.datacenter, err)
+                    else:
+                        if target is None:
+                            self._stop.wait(self.interval_s)
+                            continue
+                        self.address, self.key = target
                 try:
                     sock.sendto(encode_beat(Beat(self.run_id, self.datacenter, self.sent + 1), self.key), self.address)
                     self.sent += 1
@@ -136,7 +165,16 @@ class HeartbeatMonitor:
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name="heartbeat-monitor", daemon=True)
 
+    @property
+    def port(self) -> int:
+        """The UDP port the monitor listens on (the one asked for, or the one the system chose for port 0)."""
+        return int(self.sock.getsockname()[1])
+
     def start(self) -> HeartbeatMonitor:
+        """Begin judging: every datacenter not heard from yet has `timeout_s` from now."""
+        started = time.monotonic()
+        with self._lock:
+            self.last_heard = {name: started for name in self.last_heard}
         self._thread.start()
         return self
 
@@ -190,5 +228,6 @@ class HeartbeatMonitor:
 
     def stop(self) -> None:
         self._stop.set()
-        self._thread.join(timeout=5)
+        if self._thread.ident is not None:  # started
+            self._thread.join(timeout=5)
         self.sock.close()

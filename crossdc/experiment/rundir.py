@@ -26,10 +26,15 @@ SETTINGS_GOSSIP_ADDRESSES = "gossip_addresses"
 SETTINGS_PIPELINE_GROUP = "pipeline_group"
 #: the run's settings key giving where the coordinator receives the datacenters' heartbeats: [host, port] (UDP)
 SETTINGS_HEARTBEAT = "heartbeat"
+#: the run's settings key giving the heartbeat's key (hex) where it is not the run's own key (a standing
+#: federation's node: the coordinator's hello offers one per attempt)
+SETTINGS_HEARTBEAT_KEY = "heartbeat_key"
 #: the run's settings keys of a run on a standing federation: its SuperLink's private Control API address
 #: (HOST:PORT) and the CA of its certificate (null: plain HTTP); absent for a run this machine hosts itself
 SETTINGS_SUPERLINK = "superlink"
 SETTINGS_SUPERLINK_CA = "superlink_ca"
+#: the run's settings key saying its trainers accept injected faults (chaos tests: crossdc.clients.fault_injection)
+SETTINGS_FAULT_INJECTION = "fault_injection"
 
 # sun_path holds 108 bytes including the terminating NUL
 _MAX_UNIX_PATH = 100

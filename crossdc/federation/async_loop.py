@@ -108,7 +108,7 @@ class AsyncFederation:
                 raise FederationError(f"strategy '{strategy.name}' is not asynchronous")
             return {"asynchronous": True, "buffer_size": strategy.buffer_size(), "max_staleness": strategy.max_staleness}
 
-        self.session, self.nodes = start_session(grid, run_dir, run_id, config, runlog, ready_detail)
+        self.session, self.nodes = start_session(grid, run_dir, run_id, config, runlog, ready_detail, liveness=True)
         self.strategy: AsyncStrategy = self.session.strategy  # type: ignore[assignment]  # checked by ready_detail
         self.seen_nodes = set(self.nodes.values())
         self.version = 0
@@ -338,7 +338,8 @@ class AsyncFederation:
     def _rediscover(self) -> None:
         """Move datacenters that came back under a new node; their tasks on the old node are lost (timeouts)."""
         self.last_rediscovery = time.monotonic()
-        moved = rediscover(self.grid, self.nodes, self.seen_nodes, self.config, self.runlog, self.run_id, self.version)
+        moved = rediscover(self.grid, self.nodes, self.seen_nodes, self.config, self.runlog, self.run_id, self.version,
+                           heartbeat=self.session.heartbeat_offer)
         for name in moved:
             for message_id, task in list(self.in_flight.items()):
                 if task.datacenter == name:

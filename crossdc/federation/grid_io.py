@@ -17,6 +17,7 @@ from flwr.serverapp import Grid
 
 from crossdc import protocol
 from crossdc.db.runlog import RunLog
+from crossdc.deployment.heartbeat import HeartbeatOffer
 from crossdc.experiment.config import ExperimentConfig
 from crossdc.federation.deadline import Deadlines
 from crossdc.protocol import CONFIG_KEY
@@ -91,11 +92,14 @@ def collect_within(grid: Grid, message_ids: list[str], deadlines: Deadlines, tim
     return replies, timeout_s
 
 
-def hello_content(config: ExperimentConfig, run_id: str) -> RecordDict:
+def hello_content(config: ExperimentConfig, run_id: str, heartbeat: HeartbeatOffer | None = None) -> RecordDict:
     """The hello query: the datacenters' names, the run id and the experiment's config (a production node
-    prepares the run's trainer from it; see crossdc.clients.node)."""
-    return RecordDict({CONFIG_KEY: ConfigRecord({protocol.HELLO_DATACENTERS: ",".join(config.datacenter_names),
-                                                 protocol.RUN_ID: run_id, protocol.RUN_CONFIG: config.to_json()})})
+    prepares the run's trainer from it; see crossdc.clients.node), and the coordinator's `heartbeat` offer if any."""
+    fields: dict[str, str | int] = {protocol.HELLO_DATACENTERS: ",".join(config.datacenter_names),
+                                    protocol.RUN_ID: run_id, protocol.RUN_CONFIG: config.to_json()}
+    if heartbeat is not None:
+        fields.update({protocol.HELLO_HEARTBEAT_PORT: heartbeat.port, protocol.HELLO_HEARTBEAT_KEY: heartbeat.key.hex()})
+    return RecordDict({CONFIG_KEY: ConfigRecord(fields)})
 
 
 def _claimed_name(reply: Reply) -> str | None:
@@ -106,8 +110,10 @@ def _claimed_name(reply: Reply) -> str | None:
         return None
 
 
-def discover_datacenters(grid: Grid, config: ExperimentConfig, runlog: RunLog, run_id: str) -> dict[str, int]:
-    """Map every configured datacenter to its SuperNode by asking each node who it is."""
+def discover_datacenters(grid: Grid, config: ExperimentConfig, runlog: RunLog, run_id: str,
+                         heartbeat: HeartbeatOffer | None = None) -> dict[str, int]:
+    """Map every configured datacenter to its SuperNode by asking each node who it is (the hello offering
+    `heartbeat`, if any)."""
     names = config.datacenter_names
     deadline = time.monotonic() + DISCOVERY_TIMEOUT_S
     node_ids: list[int] = []
@@ -118,7 +124,7 @@ def discover_datacenters(grid: Grid, config: ExperimentConfig, runlog: RunLog, r
         time.sleep(0.2)
     if len(node_ids) < len(names):
         raise FederationError(f"only {len(node_ids)} of {len(names)} datacenters connected within {DISCOVERY_TIMEOUT_S:.0f}s")
-    content = hello_content(config, run_id)
+    content = hello_content(config, run_id, heartbeat)
     messages = [Message(content, dst_node_id=node, message_type=MessageType.QUERY) for node in node_ids]
     ids = list(grid.push_messages(messages))
     replies = collect_replies(grid, ids, DISCOVERY_TIMEOUT_S)
@@ -141,16 +147,17 @@ def discover_datacenters(grid: Grid, config: ExperimentConfig, runlog: RunLog, r
 
 
 def rediscover(grid: Grid, nodes: dict[str, int], seen: set[int], config: ExperimentConfig, runlog: RunLog, run_id: str,
-               server_round: int, timeout_s: float = REDISCOVERY_TIMEOUT_S) -> list[str]:
+               server_round: int, timeout_s: float = REDISCOVERY_TIMEOUT_S, heartbeat: HeartbeatOffer | None = None,
+               ) -> list[str]:
     """A SuperNode that restarts registers under a new node id: ask every node not seen before who it is, and
     move its datacenter to the new id (in `nodes`, in place), with a ``datacenter-rejoined`` event. `seen` holds
     the node ids already placed (current, replaced, not a configured datacenter, or silent: no answer within
-    `timeout_s`, a ``silent-node`` event); it grows here. Returns the
+    `timeout_s`, a ``silent-node`` event); it grows here. The hello offers `heartbeat`, if any. Returns the
     datacenters that moved. Costs one call to the SuperLink when nothing changed."""
     new_ids = [node for node in grid.get_node_ids() if node not in seen and node not in nodes.values()]
     if not new_ids:
         return []
-    content = hello_content(config, run_id)
+    content = hello_content(config, run_id, heartbeat)
     ids = list(grid.push_messages([Message(content, dst_node_id=node, message_type=MessageType.QUERY, ttl=timeout_s)
                                    for node in new_ids]))
     moved: list[str] = []

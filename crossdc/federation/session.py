@@ -25,6 +25,7 @@ only what differs between them; everything else is a :class:`RoundSession` metho
 from __future__ import annotations
 
 import logging
+import secrets
 import time
 from collections.abc import Mapping, Sequence
 from typing import Any
@@ -37,10 +38,10 @@ from crossdc.compression.downlink import DownlinkSender, FragmentDownlink
 from crossdc.db.errors import DatabaseUnavailable
 from crossdc.db.records import DatacenterRoundRecord
 from crossdc.db.runlog import RunLog
-from crossdc.deployment.heartbeat import HeartbeatMonitor
+from crossdc.deployment.heartbeat import HeartbeatMonitor, HeartbeatOffer
 from crossdc.experiment.builders import build_strategy, build_workload, initial_model
 from crossdc.experiment.config import ExperimentConfig
-from crossdc.experiment.rundir import SETTINGS_HEARTBEAT, SETTINGS_LINK_EMULATOR, RunDir
+from crossdc.experiment.rundir import SETTINGS_HEARTBEAT, SETTINGS_LINK_EMULATOR, SETTINGS_SUPERLINK, RunDir
 from crossdc.federation.grid_io import Reply
 from crossdc.federation.server_checkpoint import ResumeError, ServerCheckpointer, loop_state, restore_rng
 from crossdc.federation.update_gate import GateRules, Judged, judge_content, judge_reply, update_norm_outliers, update_size_limit
@@ -149,23 +150,44 @@ class RoundSession:
         self._records: tuple[int, dict[str, Any]] | None = None  # (model version, its encoded records)
         #: crossdc's heartbeat monitor of the datacenters (None: no heartbeat, see :meth:`watch_liveness`)
         self.liveness: HeartbeatMonitor | None = None
+        #: on a standing federation, what the hello offers the datacenters for their heartbeat (see bind_liveness)
+        self.heartbeat_offer: HeartbeatOffer | None = None
 
     # ------------------------------------------------------------------ liveness
-    def watch_liveness(self) -> None:
-        """Start receiving the datacenters' heartbeats where the run's settings say (a local run with
-        ``run.heartbeat_timeout_s`` > 0): a datacenter silent for longer is marked down at once (a
-        ``datacenter-down`` event; ``datacenter-up`` when it beats again), and :meth:`down` names it."""
-        address = self.run_dir.settings().get(SETTINGS_HEARTBEAT) if self.run_dir is not None else None
+    def bind_liveness(self) -> None:
+        """Open the heartbeat monitor's socket (judging starts with :meth:`watch_liveness`) when the run asks for a
+        heartbeat (``run.heartbeat_timeout_s`` > 0): where its settings say (a local run: its datacenters reach the
+        coordinator there, signing with the run's key), or, for a run on a standing federation, on a free port of
+        every interface with a key made now, both offered to the datacenters in the hello (:attr:`heartbeat_offer`).
+        A port that cannot be had leaves the run without a heartbeat (a ``heartbeat-off`` event)."""
         timeout_s = self.config.run.heartbeat_timeout_s
-        if not address or timeout_s <= 0 or self.run_dir is None:
+        if self.liveness is not None or timeout_s <= 0 or self.run_dir is None:
+            return
+        settings = self.run_dir.settings()
+        address, key = settings.get(SETTINGS_HEARTBEAT), None
+        if not address and settings.get(SETTINGS_SUPERLINK):
+            address, key = ["0.0.0.0", 0], secrets.token_bytes(32)
+        if not address:
             return
         try:
-            self.liveness = HeartbeatMonitor(str(address[0]), int(address[1]), self.run_id, self.run_dir.authkey(),
-                                             self.config.datacenter_names, timeout_s, self._liveness_changed).start()
+            self.liveness = HeartbeatMonitor(str(address[0]), int(address[1]), self.run_id,
+                                             key if key is not None else self.run_dir.authkey(),
+                                             self.config.datacenter_names, timeout_s, self._liveness_changed)
         except OSError as err:  # the port is taken: the run goes on, dead datacenters are found by the deadline
             log.warning("no heartbeat monitor on %s: %s", address, err)
             if self.runlog is not None:
                 self.runlog.log_event(run_id=self.run_id, kind="heartbeat-off", detail=f"{address}: {err}")
+            return
+        if key is not None:
+            self.heartbeat_offer = HeartbeatOffer(self.liveness.port, key)
+
+    def watch_liveness(self) -> None:
+        """Start judging the datacenters' heartbeats (binding the monitor first if :meth:`bind_liveness` has not): a
+        datacenter silent for longer than ``run.heartbeat_timeout_s`` is marked down at once (a ``datacenter-down``
+        event; ``datacenter-up`` when it beats again), and :meth:`down` names it."""
+        self.bind_liveness()
+        if self.liveness is not None:
+            self.liveness.start()
 
     def _liveness_changed(self, datacenter: str, up: bool, silent_s: float) -> None:
         if self.runlog is not None:
@@ -442,5 +464,12 @@ class RoundSession:
                 "val_accuracy": self.val_accuracy, "best_val_loss": self.best_val_loss, "best_round": self.best_round,
                 "bytes_up_total": self.totals["bytes_up"],
                 "bytes_down_total": self.totals["bytes_down"], "wall_s": wall_s, **extra,
-                "worker_pids": self.worker_pids}
+                "worker_pids": self.worker_pids, **self._heartbeat_summary()}
+
+    def _heartbeat_summary(self) -> dict[str, Any]:
+        """With a heartbeat: the beats received from each datacenter and the datagrams refused (forged, another
+        run's, malformed)."""
+        if self.liveness is None:
+            return {}
+        return {"heartbeats": {"beats": dict(self.liveness.beats), "refused": self.liveness.refused}}
 

@@ -32,6 +32,7 @@ from flwr.serverapp import Grid
 
 from crossdc import protocol
 from crossdc.db.runlog import RunLog
+from crossdc.deployment.heartbeat import HeartbeatOffer
 from crossdc.experiment.config import ExperimentConfig, parse_config
 from crossdc.experiment.rundir import RunDir
 from crossdc.federation.deadline import Deadlines
@@ -104,28 +105,36 @@ REJOIN_MIN_WAIT_S = 15.0
 
 
 def await_rejoin(grid: Grid, nodes: dict[str, int], seen: set[int], config: ExperimentConfig, runlog: RunLog, run_id: str,
-                 server_round: int, returning: set[str]) -> None:
+                 server_round: int, returning: set[str], heartbeat: HeartbeatOffer | None = None) -> None:
     """Before a round, wait up to max(``run.heartbeat_timeout_s``, REJOIN_MIN_WAIT_S) for the `returning` datacenters
     (back up by the heartbeat since the last round began) to be found under a new node (rediscovery), so the round's
     message goes to the node that can answer it; one whose node did not change (a cut link, not a crash) is sent its
-    message when the wait ends."""
+    message when the wait ends. The hellos offer `heartbeat`, if any."""
     deadline = time.monotonic() + max(config.run.heartbeat_timeout_s, REJOIN_MIN_WAIT_S)
     waiting = set(returning)
     while waiting and time.monotonic() < deadline:
-        waiting -= set(rediscover(grid, nodes, seen, config, runlog, run_id, server_round))
+        waiting -= set(rediscover(grid, nodes, seen, config, runlog, run_id, server_round, heartbeat=heartbeat))
         if waiting:
             time.sleep(REJOIN_POLL_S)
 
 
 def start_session(grid: Grid, run_dir: RunDir, run_id: str, config: ExperimentConfig, runlog: RunLog,
-                  ready_detail: Callable[[Strategy], dict[str, Any]] | None = None) -> tuple[RoundSession, dict[str, int]]:
+                  ready_detail: Callable[[Strategy], dict[str, Any]] | None = None, liveness: bool = False,
+                  ) -> tuple[RoundSession, dict[str, int]]:
     """The run's session and its datacenters' nodes: discovered, seen (with their configured links: a datacenter
     without one keeps what it enrolled with), announced (``federation-ready``, with what `ready_detail` of the run's
-    strategy adds; it may refuse the strategy by raising)."""
+    strategy adds; it may refuse the strategy by raising). With `liveness` (a loop that watches the heartbeat) the
+    session's heartbeat monitor is bound first, so the hellos can offer it (a run on a standing federation)."""
     runlog.add_flower_run_id(run_id=run_id, flower_run_id=int(grid.run.run_id))
     session = RoundSession(config, run_id, runlog, run_dir)
-    extra = ready_detail(session.strategy) if ready_detail is not None else {}
-    nodes = discover_datacenters(grid, config, runlog, run_id)
+    try:
+        extra = ready_detail(session.strategy) if ready_detail is not None else {}
+        if liveness:
+            session.bind_liveness()
+        nodes = discover_datacenters(grid, config, runlog, run_id, session.heartbeat_offer)
+    except BaseException:
+        session.close()
+        raise
     links = {dc.name: dc.link for dc in config.datacenters}
     for name in nodes:
         link = links[name]
@@ -137,7 +146,7 @@ def start_session(grid: Grid, run_dir: RunDir, run_id: str, config: ExperimentCo
 
 
 def _run(grid: Grid, run_dir: RunDir, run_id: str, config: ExperimentConfig, runlog: RunLog) -> dict[str, Any]:
-    session, nodes = start_session(grid, run_dir, run_id, config, runlog)
+    session, nodes = start_session(grid, run_dir, run_id, config, runlog, liveness=True)
     session.watch_liveness()
     try:
         return _rounds(grid, run_dir, run_id, config, runlog, session, nodes)
@@ -167,8 +176,9 @@ def _rounds(grid: Grid, run_dir: RunDir, run_id: str, config: ExperimentConfig, 
     for server_round in range(first_round, config.run.rounds + 1):
         round_started = time.perf_counter()
         if server_round > 1:
-            rediscover(grid, nodes, seen_nodes, config, runlog, run_id, server_round)
-            await_rejoin(grid, nodes, seen_nodes, config, runlog, run_id, server_round, session.came_up_since(last_start))
+            rediscover(grid, nodes, seen_nodes, config, runlog, run_id, server_round, heartbeat=session.heartbeat_offer)
+            await_rejoin(grid, nodes, seen_nodes, config, runlog, run_id, server_round, session.came_up_since(last_start),
+                         session.heartbeat_offer)
         last_start = time.monotonic()
         tau = strategy.tau(server_round)
         # fixed, or from how long each datacenter's recent rounds took (one seen too little gets the ceiling)

@@ -62,6 +62,7 @@ from crossdc.experiment.processes import (
     wait_for_port,
 )
 from crossdc.experiment.rundir import (
+    SETTINGS_FAULT_INJECTION,
     SETTINGS_GOSSIP_ADDRESSES,
     SETTINGS_HEARTBEAT,
     SETTINGS_LINK_EMULATOR,
@@ -119,6 +120,8 @@ class LocalRunOptions:
     #: continue the run `run_id` (its folder under `runs_root` holds its settings and the datacenters' state
     #: stores) from its newest checkpoint, as the next attempt at it
     resume: bool = False
+    #: let the run's trainers spoil an update on request (chaos tests only: crossdc.clients.fault_injection)
+    fault_injection: bool = False
 
 
 class Detached(Exception):
@@ -196,6 +199,8 @@ class LocalRun:
         if self.options.superlink is not None:
             settings[SETTINGS_SUPERLINK] = self.options.superlink
             settings[SETTINGS_SUPERLINK_CA] = str(self.options.superlink_ca) if self.options.superlink_ca else None
+        if self.options.fault_injection:
+            settings[SETTINGS_FAULT_INJECTION] = True
         if self.config.checkpoint.every_rounds > 0:
             settings[SETTINGS_URL] = checkpoint_url(self.config.checkpoint.dir, self.run_id)
         if self.options.resume:
