@@ -26,7 +26,9 @@ from crossdc.federation.gossip_loop import REPLICAS_FILE
 from crossdc.orchestration.local_run import LocalRun, LocalRunOptions
 from crossdc.wan.topology import mesh_ledger
 
-pytestmark = [pytest.mark.deployment, pytest.mark.usefixtures("namespaces")]
+# serial: alone on an idle 2-core machine the faulty run takes about 10.5 min (35 rounds paced at 12-19 s by
+# speed = 0.01, and the coordinator away up to 150 s); beside the parallel part it ran past any bound
+pytestmark = [pytest.mark.deployment, pytest.mark.serial, pytest.mark.usefixtures("namespaces")]
 
 DATACENTERS = ("us-east", "eu-west", "ap-south", "sa-east")
 RING = [(DATACENTERS[i], DATACENTERS[(i + 1) % 4]) for i in range(4)]
@@ -157,7 +159,7 @@ def rejoin(gossip_run: dict) -> dict[str, Any]:
     return events[0]["detail"]
 
 
-@pytest.mark.timeout(600)
+@pytest.mark.timeout(900)
 def test_a_gossip_run_trains_with_its_neighbours_and_logs_consensus_every_round(gossip_run: dict) -> None:
     assert gossip_run["run"]["status"] == "finished", gossip_run["run"]["error"]
     rounds = gossip_run["rounds"]
@@ -180,7 +182,7 @@ def test_a_gossip_run_trains_with_its_neighbours_and_logs_consensus_every_round(
     assert set(summary["replica_val_loss"]) == set(DATACENTERS) and summary["final_model"] == "average of the replicas"
 
 
-@pytest.mark.timeout(600)
+@pytest.mark.timeout(900)
 def test_the_exchanges_cross_the_direct_links_and_the_coordinator_carries_far_fewer_bytes(gossip_run: dict) -> None:
     links = gossip_run["links"]
     assert {(r["src"], r["dst"]) for r in links} == {pair for a, b in RING for pair in ((a, b), (b, a))}
@@ -194,7 +196,7 @@ def test_the_exchanges_cross_the_direct_links_and_the_coordinator_carries_far_fe
         assert star < mesh / 3, (dc, star, mesh)
 
 
-@pytest.mark.timeout(600)
+@pytest.mark.timeout(900)
 def test_a_cut_link_costs_only_its_exchanges_and_nobody_waits_forever(gossip_run: dict) -> None:
     links = gossip_run["links"]
     failed = [(r["round"], r["src"], r["dst"], r["error"]) for r in links if r["error"]]
@@ -212,7 +214,7 @@ def test_a_cut_link_costs_only_its_exchanges_and_nobody_waits_forever(gossip_run
     assert worst < 3 * 60 + 5, f"a round waited {worst:.1f}s for its exchanges (exchange_timeout_s is 60)"
 
 
-@pytest.mark.timeout(600)
+@pytest.mark.timeout(900)
 def test_a_killed_datacenter_rejoins_from_a_neighbours_replica(gossip_run: dict) -> None:
     seen = gossip_run["seen"]
     assert seen["at_kill"][VICTIM] is None and seen["before_restart"][VICTIM] is None  # it was down
@@ -227,7 +229,7 @@ def test_a_killed_datacenter_rejoins_from_a_neighbours_replica(gossip_run: dict)
     assert last and all(r["error"] is None for r in last), last  # back in the gossip with both neighbours
 
 
-@pytest.mark.timeout(600)
+@pytest.mark.timeout(900)
 def test_the_datacenters_train_on_while_the_coordinator_is_away_and_it_catches_up(gossip_run: dict) -> None:
     seen = gossip_run["seen"]
     assert seen.get("killed_pids"), f"no ServerApp was found to kill: {timeline(seen)}"
