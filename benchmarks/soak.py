@@ -277,6 +277,11 @@ def leftovers_of(run_dir: Path, ports: list[int]) -> dict[str, list[Any]]:
             "ports": [p for p in ports if _listening(p)]}
 
 
+def _ok_rounds_after(rows: list[dict[str, Any]], datacenter: str, after: int) -> list[int]:
+    """The rounds after `after` at which `datacenter`'s row is ok, in order."""
+    return sorted(r["round"] for r in rows if r["datacenter"] == datacenter and r["round"] > after and r["status"] == "ok")
+
+
 def _outcome(fault: Fault, rows: list[dict[str, Any]], events: list[dict[str, Any]]) -> str:
     """What the run log says became of a fault: the affected datacenter's next ok round, or the resume."""
     if fault.at_s is None or fault.outcome.startswith("not injected"):
@@ -296,11 +301,10 @@ def _outcome(fault: Fault, rows: list[dict[str, Any]], events: list[dict[str, An
         refused = [e for e in events if e["kind"] == "rejected" and e["datacenter"] == target and (e["round"] or 0) >= after]
         if not refused:
             return f"{target}'s spoiled update was never refused"
-        later_ok = sorted(r["round"] for r in rows if r["datacenter"] == target and r["round"] > refused[0]["round"]
-                          and r["status"] == "ok")
+        later_ok = _ok_rounds_after(rows, target, refused[0]["round"])
         again = f"; {target} ok again at round {later_ok[0]}" if later_ok else f"; {target} not ok again before the end"
         return f"refused by the update gate at round {refused[0]['round']} ({refused[0]['detail']}){again}"
-    back = sorted(r["round"] for r in rows if r["datacenter"] == target and r["round"] > after and r["status"] == "ok")
+    back = _ok_rounds_after(rows, target, after)
     missed = sum(1 for r in rows if r["datacenter"] == target and r["round"] > after and r["status"] != "ok"
                  and (not back or r["round"] < back[0]))
     if not back:
