@@ -46,6 +46,29 @@ def test_the_patched_loop_waits_less_and_keeps_every_other_wait(monkeypatch: pyt
     assert module.time.monotonic is time.monotonic  # everything else is the time module's own
 
 
+def test_the_patched_loop_gives_up_on_a_message_whose_objects_never_come(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A coordinator that died while uploading a message must not hold the node for the SuperLink's 180 s: the
+    patched loop's pull of the message's objects (flwr's own pull_objects) gives up after the bound, and still
+    waits, retrying soon, for objects that are merely late."""
+    from flwr.supercore.inflatable.inflatable_utils import ObjectPullError, ObjectUnavailableError
+
+    module = fresh_copy_of_flowers_loop()
+    supernode.patch_supernode_loop(module)
+    monkeypatch.setattr(supernode, "INSTRUCTION_PULL_MAX_S", 0.3)
+    tries: dict[str, int] = {}
+
+    def pull_object(object_id: str) -> bytes:
+        tries[object_id] = tries.get(object_id, 0) + 1
+        if object_id == "late" and tries[object_id] >= 3:
+            return b"content"
+        raise ObjectUnavailableError(object_id)
+
+    assert module.pull_objects(["late"], pull_object_fn=pull_object) == {"late": b"content"}
+    with pytest.raises(ObjectPullError, match="never"):
+        module.pull_objects(["never"], pull_object_fn=pull_object)
+    assert tries["never"] >= 3  # tried again within the bound (backoff from 0.05 s), then given up
+
+
 def load_module(path: Path) -> types.ModuleType:
     spec = importlib.util.spec_from_file_location(path.stem, path)
     assert spec is not None and spec.loader is not None
@@ -63,6 +86,12 @@ def test_a_changed_loop_is_refused(tmp_path: Path) -> None:
     with pytest.raises(supernode.FlowerLoopChanged, match=r"sleeps \(2.0, 0.5\)"):
         supernode.patch_supernode_loop(load_module(tmp_path / "loop_v2.py"))
     assert supernode.sleeps_in_source("time.sleep(3)\ntime.sleep( 0.5 )\nother.sleep(1)") == (3.0, 0.5)
+    # a loop that already bounds its pull of a message's objects is not the one the bound was written for
+    (tmp_path / "loop_v3.py").write_text(
+        "import time\nfrom flwr.supercore.inflatable.inflatable_utils import pull_objects\n\ndef loop(ids, fn):\n"
+        "    time.sleep(3)\n    time.sleep(0.5)\n    time.sleep(0.5)\n    return pull_objects(ids, fn, max_time=5)\n")
+    with pytest.raises(supernode.FlowerLoopChanged, match="pull_objects"):
+        supernode.patch_supernode_loop(load_module(tmp_path / "loop_v3.py"))
 
 
 def test_a_crossdc_supernode_starts_as_flowers_does() -> None:

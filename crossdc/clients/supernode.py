@@ -12,6 +12,9 @@ Promises:
 
 - :func:`main` behaves as ``flower-supernode`` with the same arguments, except for the two waits above (every
   other sleep of the loop keeps its length);
+- the loop gives up on a message whose objects are still not on the SuperLink after :data:`INSTRUCTION_PULL_MAX_S`
+  (its sender died while uploading it) and goes on to the next message, where flwr 1.42 waits until the SuperLink's
+  push session expires (180 s: a resumed coordinator's hello sat behind a stopped attempt's half-sent message);
 - :func:`patch_supernode_loop` refuses, with :class:`FlowerLoopChanged`, to patch a loop that is not the one this
   was written against (the sleeps it shortens are not the ones it finds), so an upgrade of flwr fails loudly
   rather than silently bringing the 3-second poll back or shortening a wait that means something else.
@@ -56,6 +59,14 @@ LOOP_MODULE = "flwr.supernode.start_client_internal"
 KNOWN_SLEEPS: tuple[float, ...] = (3.0, 0.5, 0.5)
 #: flwr's wait → crossdc's
 SHORTER_WAITS: dict[float, float] = {3.0: IDLE_POLL_S, 0.5: REPLY_POLL_S}
+#: how long the SuperNode waits for a message's objects to be uploaded to the SuperLink before it drops the message
+#: (flwr 1.42: up to 2 hours, in practice until the SuperLink's 180-s push session expires). The coordinator uploads
+#: them to its SuperLink beside it right after the message itself; objects still missing after this long mean it died
+#: while uploading (a coordinator killed, a run stopped), and waiting on longer only holds the node's next message
+#: (a resumed attempt's hello) back
+INSTRUCTION_PULL_MAX_S = 30.0
+#: the first and the longest pause between two tries of an object not uploaded yet (flwr 1.42: 1 s and 10 s)
+INSTRUCTION_PULL_BACKOFF_S = (0.05, 1.0)
 
 
 class FlowerLoopChanged(RuntimeError):
@@ -96,12 +107,37 @@ def patch_supernode_loop(module: types.ModuleType | None = None) -> None:
         import importlib
 
         module = importlib.import_module(LOOP_MODULE)
-    found = sleeps_in_source(inspect.getsource(module))
+    source = inspect.getsource(module)
+    found = sleeps_in_source(source)
     if found != KNOWN_SLEEPS or getattr(module, "time", None) is not time:
         raise FlowerLoopChanged(
             f"{module.__name__} sleeps {found}, crossdc knows {KNOWN_SLEEPS}: flwr's SuperNode loop changed; review "
             "crossdc.clients.supernode before using this flwr version")
     module.time = _ShorterWaits(SHORTER_WAITS)  # type: ignore[attr-defined]
+    _bound_instruction_pull(module, source)
+
+
+def _bound_instruction_pull(module: types.ModuleType, source: str) -> None:
+    """Make the loop's pull of a message's objects give up after :data:`INSTRUCTION_PULL_MAX_S` (the loop then drops
+    the message, as Flower does when a pull fails, and goes on to the next), trying again sooner
+    (:data:`INSTRUCTION_PULL_BACKOFF_S`). FlowerLoopChanged unless the loop calls Flower's ``pull_objects`` with no
+    limits of its own."""
+    from flwr.supercore.inflatable import inflatable_utils
+
+    calls = re.findall(r"\bpull_objects\(([^()]*(?:\([^()]*\)[^()]*)*)\)", source)
+    current = getattr(module, "pull_objects", None)
+    if (len(calls) != 1 or any(limit in calls[0] for limit in ("max_time", "max_tries", "backoff"))
+            or not (current is inflatable_utils.pull_objects or getattr(current, "bounded", False))):
+        raise FlowerLoopChanged(f"{module.__name__} no longer pulls a message's objects with one unbounded call of "
+                                "flwr's pull_objects: review crossdc.clients.supernode before using this flwr version")
+    initial, cap = INSTRUCTION_PULL_BACKOFF_S
+
+    def bounded_pull_objects(object_ids: list[str], pull_object_fn: Callable[[str], bytes]) -> dict[str, bytes]:
+        return inflatable_utils.pull_objects(object_ids, pull_object_fn, max_time=INSTRUCTION_PULL_MAX_S,
+                                             initial_backoff=initial, backoff_cap=cap)
+
+    bounded_pull_objects.bounded = True  # type: ignore[attr-defined]
+    module.pull_objects = bounded_pull_objects  # type: ignore[attr-defined]
 
 
 #: Flower's processes crossdc starts in their place: the SuperNode starts the SuperExec by this name (in its loop

@@ -20,6 +20,7 @@ from crossdc.db.runlog import RunLog
 from crossdc.deployment.heartbeat import HeartbeatOffer
 from crossdc.experiment.config import ExperimentConfig
 from crossdc.federation.deadline import Deadlines
+from crossdc.federation.reply_inbox import inbox_of
 from crossdc.protocol import CONFIG_KEY
 
 POLL_INTERVAL_S = 0.02
@@ -43,11 +44,12 @@ class Reply:
 
 
 def pull_replies(grid: Grid, pending: set[str]) -> dict[str, Reply]:
-    """One poll: the replies to the `pending` message ids that are in now, by message id (removed from `pending`)."""
+    """One poll: the replies to the `pending` message ids that are in now, by message id (removed from `pending`).
+    Never waits on a reply still being uploaded (crossdc.federation.reply_inbox)."""
     replies: dict[str, Reply] = {}
     if not pending:
         return replies
-    for message in grid.pull_messages(list(pending)):
+    for message in inbox_of(grid).pull(pending):
         reply_to = message.metadata.reply_to_message_id
         if reply_to in pending:
             pending.discard(reply_to)
