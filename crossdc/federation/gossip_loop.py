@@ -46,7 +46,8 @@ from crossdc.experiment.config import ExperimentConfig
 from crossdc.experiment.rundir import RunDir
 from crossdc.federation.grid_io import FederationError, Reply, collect_replies, rediscover
 from crossdc.federation.server_checkpoint import SETTINGS_ATTEMPT
-from crossdc.federation.sync_loop import start_session
+from crossdc.federation.session import RoundSession
+from crossdc.federation.sync_loop import watched_session
 from crossdc.protocol import CONFIG_KEY, PayloadError, decode_gossip_reply
 from crossdc.strategies.base import StrategyError
 from crossdc.strategies.gossip import Gossip
@@ -65,10 +66,11 @@ PROGRESS_FILE = "gossip-progress.json"
 REPLICAS_FILE = "final-replicas.npz"
 
 
-def _ask(grid: Grid, nodes: Mapping[str, int], action: str, run_id: str, run_dir: RunDir, attempt: int,
-         acknowledged: Mapping[str, int], wait_s: float, timeout_s: float,
+def _ask(grid: Grid, session: RoundSession, nodes: Mapping[str, int], action: str, run_id: str, run_dir: RunDir,
+         attempt: int, acknowledged: Mapping[str, int], wait_s: float, timeout_s: float,
          received: Mapping[str, int] | None = None) -> dict[str, Reply]:
-    """One gossip message to every datacenter, and the replies that came within `timeout_s`, by datacenter."""
+    """One gossip message to every datacenter, and the replies that came within `timeout_s`, by datacenter (not
+    waiting for those the heartbeat marks down)."""
     messages = {}
     for name, node in nodes.items():
         config = protocol.gossip_config(action=action, run_id=run_id, run_dir=str(run_dir.path), datacenter=name,
@@ -76,9 +78,10 @@ def _ask(grid: Grid, nodes: Mapping[str, int], action: str, run_id: str, run_dir
                                         received=None if received is None else received.get(name, 0))
         messages[name] = Message(RecordDict({CONFIG_KEY: ConfigRecord(config)}), dst_node_id=node,
                                  message_type=MessageType.TRAIN, ttl=timeout_s)
+    sent = session.sent_now()
     ids = list(grid.push_messages(list(messages.values())))
     by_id = dict(zip(ids, messages, strict=True))
-    replies = collect_replies(grid, ids, timeout_s)
+    replies = collect_replies(grid, ids, timeout_s, given_up=session.given_up(sent, dict(zip(messages, ids, strict=True))))
     return {by_id[message_id]: reply for message_id, reply in replies.items()}
 
 
@@ -90,7 +93,12 @@ def _error(reply: Reply) -> str | None:
 
 def run_gossip(grid: Grid, run_dir: RunDir, run_id: str, config: ExperimentConfig, runlog: RunLog) -> dict[str, Any]:
     """Run a gossip experiment to its end on `grid` (see the module docstring); returns the run's summary."""
-    session, nodes = start_session(grid, run_dir, run_id, config, runlog)
+    with watched_session(grid, run_dir, run_id, config, runlog) as (session, nodes):
+        return _gossip(grid, run_dir, run_id, config, runlog, session, nodes)
+
+
+def _gossip(grid: Grid, run_dir: RunDir, run_id: str, config: ExperimentConfig, runlog: RunLog, session: RoundSession,
+            nodes: dict[str, int]) -> dict[str, Any]:
     strategy = session.strategy
     if not isinstance(strategy, Gossip):
         raise StrategyError(f"strategy '{strategy.name}' declares the gossip loop but is no Gossip")
@@ -106,7 +114,7 @@ def run_gossip(grid: Grid, run_dir: RunDir, run_id: str, config: ExperimentConfi
         runlog.forget_rounds_after(run_id=run_id, round=logged)
         runlog.log_event(run_id=run_id, kind="coordinator-restarted", round=logged, detail={"attempt": attempt})
     # a start message to a datacenter whose replica runs already (a restarted coordinator's) changes nothing there
-    started = _ask(grid, nodes, protocol.GOSSIP_START, run_id, run_dir, attempt, {}, 0.0, timeout_s)
+    started = _ask(grid, session, nodes, protocol.GOSSIP_START, run_id, run_dir, attempt, {}, 0.0, timeout_s)
     refused = {name: _error(started[name]) or "" for name in names if name not in started or _error(started[name])}
     if refused:
         raise FederationError("gossip could not start on " + "; ".join(f"{n}: {why or 'no reply'}" for n, why in
@@ -125,7 +133,7 @@ def run_gossip(grid: Grid, run_dir: RunDir, run_id: str, config: ExperimentConfi
     last_news = dict.fromkeys(names, time.monotonic())
     while logged < config.run.rounds:
         rediscover(grid, nodes, seen_nodes, config, runlog, run_id, logged + 1)
-        replies = _ask(grid, nodes, protocol.GOSSIP_REPORT, run_id, run_dir, attempt, acknowledged, REPORT_WAIT_S,
+        replies = _ask(grid, session, nodes, protocol.GOSSIP_REPORT, run_id, run_dir, attempt, acknowledged, REPORT_WAIT_S,
                        REPORT_WAIT_S + REPORT_GRACE_S, received=taken)
         for name, reply in replies.items():
             error = _error(reply)
@@ -180,7 +188,7 @@ def run_gossip(grid: Grid, run_dir: RunDir, run_id: str, config: ExperimentConfi
             marks = [entry for entry in marks if entry[0] > durable]
             progress_file.write_text(json.dumps({"logged": durable, "totals": then}))
             acknowledged = {name: min(taken[name], durable) for name in names}
-    finals = _ask(grid, nodes, protocol.GOSSIP_FINAL, run_id, run_dir, attempt, acknowledged, 0.0, timeout_s)
+    finals = _ask(grid, session, nodes, protocol.GOSSIP_FINAL, run_id, run_dir, attempt, acknowledged, 0.0, timeout_s)
     replicas: dict[str, dict[str, np.ndarray]] = {}
     for name, reply in finals.items():
         if _error(reply) is None:

@@ -41,7 +41,8 @@ from crossdc.experiment.config import ExperimentConfig
 from crossdc.experiment.rundir import SETTINGS_LINK_EMULATOR, RunDir
 from crossdc.federation.grid_io import FederationError, Reply, collect_replies, rediscover
 from crossdc.federation.server_checkpoint import SETTINGS_ATTEMPT, SETTINGS_RESUME, ServerCheckpointer
-from crossdc.federation.sync_loop import start_session
+from crossdc.federation.session import RoundSession
+from crossdc.federation.sync_loop import watched_session
 from crossdc.protocol import CONFIG_KEY, PayloadError, decode_pipeline_reply
 from crossdc.strategies.base import Strategy, StrategyError
 from crossdc.strategies.pipeline import Pipeline, stage_blocks
@@ -88,8 +89,14 @@ def _ledger_bytes(transfers: Sequence[Transfer], sender: str, receiver: str) -> 
 
 
 def run_pipeline(grid: Grid, run_dir: RunDir, run_id: str, config: ExperimentConfig, runlog: RunLog) -> dict[str, Any]:
-    """Run a pipeline experiment to its end on `grid` (see the module docstring); returns the run's summary."""
-    session, nodes = start_session(grid, run_dir, run_id, config, runlog, ready_detail=_ready_detail(config))
+    """Run a pipeline experiment to its end on `grid` (see the module docstring); returns the run's summary. A stage
+    the heartbeat marks down is not waited for (the step fails without waiting out the deadline)."""
+    with watched_session(grid, run_dir, run_id, config, runlog, _ready_detail(config)) as (session, nodes):
+        return _pipeline(grid, run_dir, run_id, config, runlog, session, nodes)
+
+
+def _pipeline(grid: Grid, run_dir: RunDir, run_id: str, config: ExperimentConfig, runlog: RunLog, session: RoundSession,
+              nodes: dict[str, int]) -> dict[str, Any]:
     strategy = session.strategy
     assert isinstance(strategy, Pipeline)
     names = config.datacenter_names
@@ -120,11 +127,13 @@ def run_pipeline(grid: Grid, run_dir: RunDir, run_id: str, config: ExperimentCon
                 resume_round=first_round - 1 if attempt > 1 else None)
             messages[name] = Message(RecordDict({CONFIG_KEY: ConfigRecord(task)}), dst_node_id=node,
                                      message_type=MessageType.TRAIN, ttl=config.run.round_timeout_s)
+        sent = session.sent_now()
         ids = list(grid.push_messages(list(messages.values())))
         by_id = dict(zip(ids, messages, strict=True))
         # a stage that fails makes the others' step fail within the stage timeout: their reasons are worth a wait
         arrived = collect_replies(grid, ids, config.run.round_timeout_s,
-                                  after_error_s=float(strategy.params["stage_timeout_s"]) + 10.0)
+                                  after_error_s=float(strategy.params["stage_timeout_s"]) + 10.0,
+                                  given_up=session.given_up(sent, dict(zip(messages, ids, strict=True))))
         replies = {by_id[i]: reply for i, reply in arrived.items()}
         reports, weights = _read_replies(server_round, names, replies, config.run.round_timeout_s, runlog, run_id)
         records = _log_stages(runlog, run_id, server_round, names, reports, ledgers, wall_started)

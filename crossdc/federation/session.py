@@ -27,7 +27,8 @@ from __future__ import annotations
 import logging
 import secrets
 import time
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
@@ -52,6 +53,16 @@ from crossdc.wan.ledger import LedgerReader, bytes_by_direction, payload_transfe
 from crossdc.workloads import Workload, evaluate, load_model_weights, model_weights
 
 log = logging.getLogger("crossdc.federation")
+
+
+@dataclass(frozen=True)
+class Dispatch:
+    """When a loop's messages went out (wall clock, for durations; monotonic, for the heartbeat) and which
+    datacenters the heartbeat had marked down then (RoundSession.sent_now)."""
+
+    at: float
+    at_mono: float
+    down: frozenset[str]
 
 
 def update_cosines(updates: Sequence[ClientUpdate], aggregate: Arrays) -> dict[str, float]:
@@ -206,6 +217,20 @@ class RoundSession:
     def came_up_since(self, since: float) -> set[str]:
         """The datacenters back up since `since` (time.monotonic) (empty without a heartbeat)."""
         return self.liveness.came_up_since(since) if self.liveness is not None else set()
+
+    def sent_now(self) -> Dispatch:
+        """Mark messages going out now: when, and which datacenters the heartbeat has down (see :meth:`down_after`)."""
+        return Dispatch(time.time(), time.monotonic(), frozenset(self.down()))
+
+    def down_after(self, sent: Dispatch) -> set[str]:
+        """The datacenters down when `sent` went out or gone down since: they may never answer it (a node that died
+        comes back under a new id), so a loop does not wait for their replies."""
+        return set(sent.down) | self.down_since(sent.at_mono)
+
+    def given_up(self, sent: Dispatch, message_ids: Mapping[str, str]) -> Callable[[], set[str]]:
+        """For :func:`crossdc.federation.grid_io.collect_replies`: the ids, among `message_ids` (by datacenter), of
+        the messages sent to a datacenter in :meth:`down_after` `sent`, at the moment of asking."""
+        return lambda: {message_ids[name] for name in self.down_after(sent) if name in message_ids}
 
     def close(self) -> None:
         """Stop what the session runs beside the loop (the heartbeat monitor)."""

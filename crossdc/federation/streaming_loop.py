@@ -41,8 +41,8 @@ from crossdc.experiment.rundir import RunDir
 from crossdc.federation.deadline import Deadlines
 from crossdc.federation.grid_io import FederationError, collect_within
 from crossdc.federation.server_checkpoint import SETTINGS_ATTEMPT, SETTINGS_RESUME, ServerCheckpointer
-from crossdc.federation.session import merge_rows
-from crossdc.federation.sync_loop import MAX_ROUNDS_WITHOUT_UPDATES, start_session
+from crossdc.federation.session import RoundSession, merge_rows
+from crossdc.federation.sync_loop import MAX_ROUNDS_WITHOUT_UPDATES, down_reason, watched_session
 from crossdc.federation.timeline import exchange_spans
 from crossdc.protocol import CONFIG_KEY, encode_results, encode_tensors, payload_bytes
 from crossdc.strategies.base import StrategyError
@@ -52,8 +52,14 @@ log = logging.getLogger("crossdc.federation")
 
 
 def run_streaming(grid: Grid, run_dir: RunDir, run_id: str, config: ExperimentConfig, runlog: RunLog) -> dict[str, Any]:
-    """Run a streaming experiment to its end on `grid`; returns the run's summary."""
-    session, nodes = start_session(grid, run_dir, run_id, config, runlog)
+    """Run a streaming experiment to its end on `grid`; returns the run's summary. A datacenter the heartbeat marks
+    down is not waited for (its exchange's reply counts as missing at once)."""
+    with watched_session(grid, run_dir, run_id, config, runlog) as (session, nodes):
+        return _stream(grid, run_dir, run_id, config, runlog, session, nodes)
+
+
+def _stream(grid: Grid, run_dir: RunDir, run_id: str, config: ExperimentConfig, runlog: RunLog, session: RoundSession,
+            nodes: dict[str, int]) -> dict[str, Any]:
     strategy = session.strategy
     if not isinstance(strategy, StreamingDiLoCo):
         raise StrategyError(f"strategy '{strategy.name}' declares the streaming loop but is no StreamingDiLoCo")
@@ -113,17 +119,20 @@ def run_streaming(grid: Grid, run_dir: RunDir, run_id: str, config: ExperimentCo
             # and the time its ClientApp blocks for the send
             messages[name] = Message(content, dst_node_id=node, message_type=MessageType.TRAIN, ttl=deadlines.ttl_s)
             bytes_down[name] = payload_bytes(content)
-        pushed_at = pushed[exchange] = time.time()
+        sent = session.sent_now()
+        pushed_at = pushed[exchange] = sent.at
         carried_at.update(dict.fromkeys(results_of, pushed_at))
         ids = list(grid.push_messages(list(messages.values())))
         id_of = dict(zip(messages, ids, strict=True))
-        replies, timeout_s = collect_within(grid, ids, deadlines, timeout_s, needed)
+        replies, timeout_s = collect_within(grid, ids, deadlines, timeout_s, needed, session.given_up(sent, id_of))
         reference = {n: session.weights[n] for n in names}
-        reason = f"no reply within the exchange's {timeout_s:g}s ({deadline_kind})"
+        timeout_reason = f"no reply within the exchange's {timeout_s:g}s ({deadline_kind})"
+        down = session.down_after(sent)
         # a trainer cannot have passed the merge that needed an earlier message before that message was posted: the
         # compute since its previous send began after the push of exchange k − 1 (eager: k − 1 − P)
         since = pushed.get(max(first_exchange, exchange - 1 - (schedule.fragments if eager else 0)), pushed_at)
-        judged = {name: session.judge(name, replies.get(id_of[name]), schedule.spacing, pushed_at, reason, reference,
+        judged = {name: session.judge(name, replies.get(id_of[name]), schedule.spacing, pushed_at,
+                                      down_reason(config) if name in down else timeout_reason, reference,
                                       compute_since=since) for name in nodes}
         session.reject_outliers(judged)
         for name, outcome in judged.items():

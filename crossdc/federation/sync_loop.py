@@ -24,7 +24,8 @@ from __future__ import annotations
 import logging
 import time
 import traceback
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from typing import Any
 
 from flwr.app import Message, MessageType
@@ -145,13 +146,23 @@ def start_session(grid: Grid, run_dir: RunDir, run_id: str, config: ExperimentCo
     return session, nodes
 
 
-def _run(grid: Grid, run_dir: RunDir, run_id: str, config: ExperimentConfig, runlog: RunLog) -> dict[str, Any]:
-    session, nodes = start_session(grid, run_dir, run_id, config, runlog, liveness=True)
+@contextmanager
+def watched_session(grid: Grid, run_dir: RunDir, run_id: str, config: ExperimentConfig, runlog: RunLog,
+                    ready_detail: Callable[[Strategy], dict[str, Any]] | None = None,
+                    ) -> Iterator[tuple[RoundSession, dict[str, int]]]:
+    """:func:`start_session` for a loop that watches the heartbeat: judging starts once the datacenters are found
+    (``datacenter-down`` / ``datacenter-up`` events, :meth:`RoundSession.down`), and stops when the loop ends."""
+    session, nodes = start_session(grid, run_dir, run_id, config, runlog, ready_detail, liveness=True)
     session.watch_liveness()
     try:
-        return _rounds(grid, run_dir, run_id, config, runlog, session, nodes)
+        yield session, nodes
     finally:
         session.close()
+
+
+def _run(grid: Grid, run_dir: RunDir, run_id: str, config: ExperimentConfig, runlog: RunLog) -> dict[str, Any]:
+    with watched_session(grid, run_dir, run_id, config, runlog) as (session, nodes):
+        return _rounds(grid, run_dir, run_id, config, runlog, session, nodes)
 
 
 def _rounds(grid: Grid, run_dir: RunDir, run_id: str, config: ExperimentConfig, runlog: RunLog, session: RoundSession,
@@ -200,17 +211,14 @@ def _rounds(grid: Grid, run_dir: RunDir, run_id: str, config: ExperimentConfig, 
             # (with the adaptive deadline: its ceiling, the longest this round may wait on for enough replies)
             messages[name] = Message(content, dst_node_id=node, message_type=MessageType.TRAIN, ttl=deadlines.ttl_s)
             bytes_down[name] = payload_bytes(content)
-        pushed_at, pushed_mono, down_at_push = time.time(), time.monotonic(), session.down()
+        sent = session.sent_now()
+        pushed_at = sent.at
         ids = list(grid.push_messages(list(messages.values())))
         id_of = dict(zip(messages, ids, strict=True))
-        # a datacenter down when its message was sent, or since, may never answer it (its node may have died and come
-        # back under a new id): the round does not wait for it
-        replies, timeout_s = collect_within(
-            grid, ids, deadlines, timeout_s, needed,
-            given_up=lambda ids_of=id_of, since=pushed_mono, gone=down_at_push: {
-                ids_of[n] for n in gone | session.down_since(since) if n in ids_of})
+        # a datacenter down when its message was sent, or since, may never answer it: the round does not wait for it
+        replies, timeout_s = collect_within(grid, ids, deadlines, timeout_s, needed, session.given_up(sent, id_of))
         timeout_reason = f"no reply within the round's {timeout_s:g}s ({deadline_kind})"
-        down = down_at_push | session.down_since(pushed_mono)
+        down = session.down_after(sent)
         judged = {name: session.judge(name, replies.get(id_of[name]), tau, pushed_at,
                                       down_reason(config) if name in down else timeout_reason) for name in nodes}
         session.reject_outliers(judged)
