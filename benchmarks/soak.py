@@ -27,9 +27,9 @@ validation loss against a fault-free run of the same config: it may end at most 
 it (a fault that costs a datacenter a round changes the model, and an asynchronous run's order of arrivals differs
 from run to run anyway; lower is never a failure).
 
-    python benchmarks/soak.py --size short   # about 4 minutes on 2 cores (the suite runs it: tests/test_soak.py)
-    python benchmarks/soak.py --size full    # writes benchmarks/results/soak.json; 25-30 minutes on 2 cores
-    python benchmarks/soak.py --size full --only async   # one strategy (15 minutes), the other's row kept
+    python benchmarks/soak.py --size short   # about 2 minutes on 2 cores (the suite runs it: tests/test_soak.py)
+    python benchmarks/soak.py --size full    # writes benchmarks/results/soak.json; about 17 minutes on 2 cores
+    python benchmarks/soak.py --size full --only async   # one strategy, the other's row kept
 """
 
 from __future__ import annotations
@@ -75,8 +75,12 @@ CUT_S = 8.0
 LOSS_TOLERANCE_REL = 0.20
 #: the soak's fault kinds that make a datacenter's trainer spoil its next update, and how (fault_injection.POISON_KINDS)
 SPOILED_UPDATES = {"nan-update": "nan", "corrupt-update": "corrupt"}
+#: what the update gate's refusal of each says
+SPOILED_REASONS = {"nan-update": "NaN", "corrupt-update": "shape"}
+#: a coordinator killed this soon after a spoiled update was asked for may never have seen the spoiled reply
+SPOILED_JUDGED_WITHIN_S = 30.0
 #: at most this many coordinator kills per run (each costs a resume: fresh processes, tens of seconds)
-MAX_COORDINATOR_KILLS = 2
+MAX_COORDINATOR_KILLS = 5
 
 SIZES: dict[str, dict[str, Any]] = {
     # rounds per strategy, faults per strategy, fault kinds, PostgreSQL
@@ -84,7 +88,7 @@ SIZES: dict[str, dict[str, Any]] = {
               "kinds": ("kill-trainer", "kill-coordinator", "cut", "kill-supernode", "reset", "kill-worker",
                         "nan-update", "corrupt-update"),
               "required": ("kill-coordinator", "nan-update")},
-    "full": {"sync_rounds": 160, "async_versions": 150, "faults": 24, "postgres": True, "datacenters": 3,
+    "full": {"sync_rounds": 220, "async_versions": 300, "faults": 40, "postgres": True, "datacenters": 3,
              "kinds": ("kill-supernode", "kill-trainer", "kill-worker", "kill-coordinator", "cut", "reset",
                        "postgres-restart", "nan-update", "corrupt-update")},
 }
@@ -282,8 +286,11 @@ def _ok_rounds_after(rows: list[dict[str, Any]], datacenter: str, after: int) ->
     return sorted(r["round"] for r in rows if r["datacenter"] == datacenter and r["round"] > after and r["status"] == "ok")
 
 
-def _outcome(fault: Fault, rows: list[dict[str, Any]], events: list[dict[str, Any]]) -> str:
-    """What the run log says became of a fault: the affected datacenter's next ok round, or the resume."""
+def _outcome(fault: Fault, rows: list[dict[str, Any]], events: list[dict[str, Any]],
+             killed_before_judged: int | None = None) -> str:
+    """What the run log says became of a fault: the affected datacenter's next ok round, or the resume.
+    `killed_before_judged`: for a spoiled update, the round after which the coordinator was killed within a few
+    seconds of it (its spoiled reply may have gone to the dead attempt), if that happened."""
     if fault.at_s is None or fault.outcome.startswith("not injected"):
         return fault.outcome
     after = fault.round_at or 0
@@ -298,7 +305,13 @@ def _outcome(fault: Fault, rows: list[dict[str, Any]], events: list[dict[str, An
         return f"run log written on: {len(later)} later rounds" if later else "no round logged after it"
     target = fault.target
     if fault.kind in SPOILED_UPDATES:
-        refused = [e for e in events if e["kind"] == "rejected" and e["datacenter"] == target and (e["round"] or 0) >= after]
+        refused = [e for e in events if e["kind"] == "rejected" and e["datacenter"] == target and (e["round"] or 0) >= after
+                   and SPOILED_REASONS[fault.kind] in str(e["detail"])]
+        if refused and killed_before_judged is not None and refused[0]["round"] > killed_before_judged:
+            refused = []  # a later fault's refusal (the coordinator killed meanwhile; see below)
+        if not refused and killed_before_judged is not None:
+            return (f"not judged: the coordinator was killed after round {killed_before_judged} before the spoiled "
+                    f"reply came; the resumed run redid the round from its checkpoint")
         if not refused:
             return f"{target}'s spoiled update was never refused"
         later_ok = _ok_rounds_after(rows, target, refused[0]["round"])
@@ -316,6 +329,16 @@ def _outcome(fault: Fault, rows: list[dict[str, Any]], events: list[dict[str, An
     return f"{target} ok again at round {back[0]} ({missed} round{'s' if missed != 1 else ''} missed)"
 
 
+def _coordinator_killed_soon_after(fault: Fault, faults: list[Fault]) -> int | None:
+    """The round after which the coordinator was killed within SPOILED_JUDGED_WITHIN_S after `fault` (a spoiled
+    update) was injected, if it was: the round at the kill, else None."""
+    if fault.kind not in SPOILED_UPDATES or fault.at_s is None:
+        return None
+    kills = [f for f in faults if f.kind == "kill-coordinator" and f.at_s is not None
+             and 0 <= f.at_s - fault.at_s <= SPOILED_JUDGED_WITHIN_S]
+    return kills[0].round_at if kills else None
+
+
 def check(db_url: str, run_id: str, config: ExperimentConfig, faults: list[Fault]) -> dict[str, Any]:
     """Rounds and updates lost or doubled, and each fault's outcome, from the run log."""
     engine = make_engine(db_url)
@@ -330,7 +353,7 @@ def check(db_url: str, run_id: str, config: ExperimentConfig, faults: list[Fault
     expected = set(range(1, config.run.rounds + 1))
     logged = Counter(r["round"] for r in rounds)
     for fault in faults:
-        fault.outcome = _outcome(fault, rows, events)
+        fault.outcome = _outcome(fault, rows, events, _coordinator_killed_soon_after(fault, faults))
     result: dict[str, Any] = {
         "status": run["status"] if run else "missing",
         "rounds_lost": len(expected - set(logged)),

@@ -61,3 +61,20 @@ def test_short_soak_loses_and_doubles_nothing(soak: ModuleType, tmp_path: Path) 
     assert summary["rounds_lost"] == summary["rounds_duplicated"] == summary["updates_duplicated"] == 0
     assert len(summary["faults"]) == sum(len(r["faults"]) for r in rows)
     assert all({"kind", "at_s", "target", "outcome"} <= set(f) for f in summary["faults"])
+
+
+def test_a_spoiled_update_is_matched_to_its_own_refusal(soak: ModuleType) -> None:
+    """A NaN update is credited only with a NaN refusal; one whose reply went to a coordinator killed right after is
+    said not to have been judged, not credited with a later fault's refusal."""
+    rows = [{"round": r, "datacenter": "us-east", "status": "ok"} for r in range(1, 30)]
+    shape = {"kind": "rejected", "datacenter": "us-east", "round": 20, "detail": "tensor 'w' has shape (3,), expected (4,)"}
+    nan = {"kind": "rejected", "datacenter": "us-east", "round": 6, "detail": "tensor 'w' contains NaN or Inf"}
+    spoiled = soak.Fault("nan-update", 5, "us-east", at_s=10.0, round_at=5, outcome="injected")
+    kill = soak.Fault("kill-coordinator", 5, "coordinator", at_s=11.0, round_at=5, outcome="injected")
+    assert soak._outcome(spoiled, rows, [nan, shape]).startswith("refused by the update gate at round 6")
+    assert soak._outcome(spoiled, rows, [shape]) == "us-east's spoiled update was never refused"
+    killed = soak._coordinator_killed_soon_after(spoiled, [spoiled, kill])
+    assert killed == 5
+    assert soak._outcome(spoiled, rows, [shape], killed).startswith("not judged: the coordinator was killed after round 5")
+    later_kill = soak.Fault("kill-coordinator", 15, "coordinator", at_s=10.0 + soak.SPOILED_JUDGED_WITHIN_S + 5, round_at=15)
+    assert soak._coordinator_killed_soon_after(spoiled, [spoiled, later_kill]) is None
