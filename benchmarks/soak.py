@@ -28,7 +28,7 @@ it (a fault that costs a datacenter a round changes the model, and an asynchrono
 from run to run anyway; lower is never a failure).
 
     python benchmarks/soak.py --size short   # about 2 minutes on 2 cores (the suite runs it: tests/test_soak.py)
-    python benchmarks/soak.py --size full    # writes benchmarks/results/soak.json; about 17 minutes on 2 cores
+    python benchmarks/soak.py --size full    # writes benchmarks/results/soak.json; about 23 minutes on 2 cores
     python benchmarks/soak.py --size full --only async   # one strategy, the other's row kept
 """
 
@@ -88,7 +88,7 @@ SIZES: dict[str, dict[str, Any]] = {
               "kinds": ("kill-trainer", "kill-coordinator", "cut", "kill-supernode", "reset", "kill-worker",
                         "nan-update", "corrupt-update"),
               "required": ("kill-coordinator", "nan-update")},
-    "full": {"sync_rounds": 220, "async_versions": 300, "faults": 40, "postgres": True, "datacenters": 3,
+    "full": {"sync_rounds": 300, "async_versions": 400, "faults": 52, "postgres": True, "datacenters": 3,
              "kinds": ("kill-supernode", "kill-trainer", "kill-worker", "kill-coordinator", "cut", "reset",
                        "postgres-restart", "nan-update", "corrupt-update")},
 }
@@ -287,15 +287,20 @@ def _ok_rounds_after(rows: list[dict[str, Any]], datacenter: str, after: int) ->
 
 
 def _outcome(fault: Fault, rows: list[dict[str, Any]], events: list[dict[str, Any]],
-             killed_before_judged: int | None = None) -> str:
+             killed_before_judged: int | None = None, resumed_attempt: int | None = None) -> str:
     """What the run log says became of a fault: the affected datacenter's next ok round, or the resume.
     `killed_before_judged`: for a spoiled update, the round after which the coordinator was killed within a few
-    seconds of it (its spoiled reply may have gone to the dead attempt), if that happened."""
+    seconds of it (its spoiled reply may have gone to the dead attempt), if that happened. `resumed_attempt`: for a
+    coordinator kill, the attempt that resumed after it."""
     if fault.at_s is None or fault.outcome.startswith("not injected"):
         return fault.outcome
     after = fault.round_at or 0
     if fault.kind == "kill-coordinator":
-        resumed = [e for e in events if e["kind"] == "resumed" and (e["round"] or 0) <= after]
+        # the attempt this kill started (the n-th kill, attempt n + 1): its checkpoint may be newer than the rounds
+        # counted when the kill came (an asynchronous coordinator checkpoints a version before it is logged)
+        resumed = [e for e in events if e["kind"] == "resumed" and (
+            (e["detail"] or {}).get("attempt") == resumed_attempt if resumed_attempt is not None
+            else (e["round"] or 0) <= after)]
         if resumed:
             detail = resumed[-1]["detail"] or {}
             return f"resumed from the checkpoint of round {resumed[-1]['round']} (attempt {detail.get('attempt')})"
@@ -352,8 +357,10 @@ def check(db_url: str, run_id: str, config: ExperimentConfig, faults: list[Fault
         engine.dispose()
     expected = set(range(1, config.run.rounds + 1))
     logged = Counter(r["round"] for r in rounds)
+    kills = sorted((f for f in faults if f.kind == "kill-coordinator" and f.at_s is not None), key=lambda f: f.at_s or 0)
     for fault in faults:
-        fault.outcome = _outcome(fault, rows, events, _coordinator_killed_soon_after(fault, faults))
+        attempt = next((n + 2 for n, kill in enumerate(kills) if kill is fault), None)
+        fault.outcome = _outcome(fault, rows, events, _coordinator_killed_soon_after(fault, faults), attempt)
     result: dict[str, Any] = {
         "status": run["status"] if run else "missing",
         "rounds_lost": len(expected - set(logged)),

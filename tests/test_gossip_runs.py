@@ -26,8 +26,8 @@ from crossdc.federation.gossip_loop import REPLICAS_FILE
 from crossdc.orchestration.local_run import LocalRun, LocalRunOptions
 from crossdc.wan.topology import mesh_ledger
 
-# serial: alone on an idle 2-core machine the faulty run takes about 10.5 min (35 rounds paced at 12-19 s by
-# speed = 0.01, and the coordinator away up to 150 s); beside the parallel part it ran past any bound
+# serial: beside the parallel part it once ran past any bound; alone (after the parallel part) its fixture took
+# 288 s on a 2-core machine once half-uploaded messages stopped holding the coordinator and the nodes (10.5 min before)
 pytestmark = [pytest.mark.deployment, pytest.mark.serial, pytest.mark.usefixtures("namespaces")]
 
 DATACENTERS = ("us-east", "eu-west", "ap-south", "sa-east")

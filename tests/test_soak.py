@@ -78,3 +78,13 @@ def test_a_spoiled_update_is_matched_to_its_own_refusal(soak: ModuleType) -> Non
     assert soak._outcome(spoiled, rows, [shape], killed).startswith("not judged: the coordinator was killed after round 5")
     later_kill = soak.Fault("kill-coordinator", 15, "coordinator", at_s=10.0 + soak.SPOILED_JUDGED_WITHIN_S + 5, round_at=15)
     assert soak._coordinator_killed_soon_after(spoiled, [spoiled, later_kill]) is None
+
+
+def test_a_coordinator_kill_is_matched_to_the_attempt_it_started(soak: ModuleType) -> None:
+    """The n-th coordinator kill is resumed by attempt n + 1, whatever the round of the checkpoint it resumed from
+    (an asynchronous coordinator may checkpoint a version newer than the rounds counted when the kill came)."""
+    resumed = [{"kind": "resumed", "round": 6, "detail": {"attempt": 2}},
+               {"kind": "resumed", "round": 20, "detail": {"attempt": 3}}]
+    first = soak.Fault("kill-coordinator", 5, "coordinator", at_s=10.0, round_at=5, outcome="injected")
+    assert soak._outcome(first, [], resumed, resumed_attempt=2) == "resumed from the checkpoint of round 6 (attempt 2)"
+    assert soak._outcome(first, [], resumed, resumed_attempt=4) == "not resumed"
