@@ -77,6 +77,7 @@ from flwr.superlink.grid.inmemory_grid import InMemoryGrid
 from flwr.superlink.servicer.fleet import fleet_handlers
 from flwr.superlink.servicer.runtime import runtime_handlers
 
+from crossdc.federation import reply_inbox
 from crossdc.federation.reply_inbox import ReplyInbox, inbox_of
 
 MESSAGE_TYPE = "train"
@@ -441,7 +442,31 @@ def test_a_reply_whose_objects_are_gone_comes_back_as_an_error_reply(superlink: 
     assert_handed_over_already(one_pass(inbox, {instruction_id}), instruction_id)  # given once
 
 
-def test_an_incomplete_reply_no_longer_asked_for_is_forgotten(superlink: SuperLink, one_pass: PassRunner) -> None:
+def test_a_pass_keeps_the_replies_another_caller_still_waits_for(superlink: SuperLink, one_pass: PassRunner) -> None:
+    """A loop's reply still arriving survives a pass made for other messages (a rediscovery's hellos, between two
+    polls of the loop): it is neither pulled nor forgotten there, and the loop's next pass gets it."""
+    loop_node, new_node = superlink.add_node(b"node-loop"), superlink.add_node(b"node-new")
+    loop_id = send_instruction(superlink, loop_node)
+    loop_upload = loop_node.register_reply(Message(reply_content(6), reply_to=loop_node.receive()))
+    loop_objects = {object_id for object_id, _ in loop_upload.to_push}
+    inbox = ReplyInbox(superlink.grid)
+    assert one_pass(inbox, {loop_id}) == []
+    hello_id = send_instruction(superlink, new_node)
+    hello_upload = new_node.register_reply(Message(reply_content(7), reply_to=new_node.receive()))
+    new_node.upload(hello_upload)
+    loop_node.upload(loop_upload)
+    [hello] = one_pass(inbox, {hello_id})  # the rediscovery's pass
+    assert hello.metadata.reply_to_message_id == hello_id
+    assert not set(one_pass.asked) & loop_objects
+    assert set(inbox.arriving) == {loop_id}
+    [reply] = one_pass(inbox, {loop_id})  # the loop's next poll
+    assert reply.metadata.reply_to_message_id == loop_id
+    assert_reply_content(reply, 6)
+
+
+def test_an_incomplete_reply_no_longer_asked_for_is_forgotten(superlink: SuperLink, one_pass: PassRunner,
+                                                             monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(reply_inbox, "FORGET_AFTER_S", 0.0)  # not asked in a pass: forgotten at once
     given_up, still_wanted = superlink.add_node(b"node-given-up"), superlink.add_node(b"node-still-wanted")
     given_up_id, still_wanted_id = send_instruction(superlink, given_up), send_instruction(superlink, still_wanted)
     given_up.register_reply(Message(reply_content(4), reply_to=given_up.receive()))

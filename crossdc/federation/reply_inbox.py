@@ -8,7 +8,7 @@ and a large reply still arriving over a slow link held the others back by up to 
 
 :class:`ReplyInbox` promises instead: each :meth:`ReplyInbox.pull` makes one pass and returns at once with the
 replies that are complete; a reply whose objects are not all there yet is kept and tried again at the next pass
-(only while its message id is still asked for: one the caller has given up on is forgotten); a reply whose objects
+(one that no pass has asked for in :data:`FORGET_AFTER_S` is forgotten); a reply whose objects
 the SuperLink no longer has comes back as an error reply (``MESSAGE_UNAVAILABLE``), as Flower's own pull would
 return it; an error of the transport in the middle of a pass ends the pass without losing the replies completed in
 it (the rest is tried again at the next pass). Grids other than ``HttpGrid`` (the in-process one) never hold an
@@ -42,6 +42,11 @@ from flwr.superlink.grid.http_grid import HttpGrid
 
 log = logging.getLogger(__name__)
 
+#: a reply still arriving that no pass has asked for in this long is forgotten with what was pulled of it (its
+#: caller gave up on it). Passes of one grid may ask for different messages (a loop's replies, then a rediscovery's
+#: hellos for up to 20 s, grid_io.REDISCOVERY_TIMEOUT_S), so a pass keeps what it was not asked for
+FORGET_AFTER_S = 60.0
+
 
 @dataclass
 class _Arriving:
@@ -52,6 +57,7 @@ class _Arriving:
     src_node_id: int
     object_ids: list[str]
     contents: dict[str, bytes] = field(default_factory=dict)
+    asked_at: float = field(default_factory=time.monotonic)  # when a pass last asked for it
 
 
 class ReplyInbox:
@@ -66,8 +72,12 @@ class ReplyInbox:
         if not isinstance(self.grid, HttpGrid):
             return list(self.grid.pull_messages(list(message_ids)))
         grid = self.grid
-        for reply_to in [r for r in self.arriving if r not in message_ids]:
-            del self.arriving[reply_to]  # given up on by the caller
+        now = time.monotonic()
+        for reply_to, arriving in list(self.arriving.items()):
+            if reply_to in message_ids:
+                arriving.asked_at = now
+            elif now - arriving.asked_at > FORGET_AFTER_S:
+                del self.arriving[reply_to]  # given up on by whoever waited for it
         listed = grid._runtime_client.PullMessages(  # noqa: SLF001 (Flower's own pull blocks; see the module docstring)
             PullAppMessagesRequest(message_ids=[m for m in message_ids if m not in self.arriving]))
         for proto, tree in zip(listed.messages_list, listed.message_object_trees, strict=True):
@@ -78,6 +88,8 @@ class ReplyInbox:
                                                    grid.run.run_id)
         complete: list[Message] = []
         for reply_to, arriving in list(self.arriving.items()):
+            if reply_to not in message_ids:
+                continue  # another caller's (a loop's replies while it rediscovers a node): kept for its next pass
             try:
                 for object_id in arriving.object_ids:
                     if object_id not in arriving.contents:
