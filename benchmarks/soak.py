@@ -298,10 +298,8 @@ def _outcome(fault: Fault, rows: list[dict[str, Any]], events: list[dict[str, An
     if fault.kind == "kill-coordinator":
         # the attempt this kill started (the n-th kill, attempt n + 1): its checkpoint may be newer than the rounds
         # counted when the kill came (an asynchronous coordinator checkpoints a version before it is logged)
-        resumed = [e for e in events if e["kind"] == "resumed" and (
-            (e["detail"] or {}).get("attempt") == resumed_attempt if resumed_attempt is not None
-            else (e["round"] or 0) <= after)]
-        if resumed:
+        resumed = [e for e in events if e["kind"] == "resumed" and (e["detail"] or {}).get("attempt") == resumed_attempt]
+        if resumed_attempt is not None and resumed:
             detail = resumed[-1]["detail"] or {}
             return f"resumed from the checkpoint of round {resumed[-1]['round']} (attempt {detail.get('attempt')})"
         return "not resumed"
