@@ -42,7 +42,7 @@ CUT_ROUNDS = range(6, 11)
 
 
 def rows(quick: bool) -> list[dict[str, Any]]:
-    size = SIZES["tiny" if quick else "full"]
+    size = SIZES["tiny" if quick else "medium"]
     rounds = rounds_for_budget(size.tau, size.steps)
     pairs = {"topology": "random-pairs"}
 

@@ -55,7 +55,7 @@ KILL_AFTER_ROUND, COORDINATOR_AWAY_S = 4, 60.0
 def config_doc(quick: bool, cut_s: float | None = None) -> dict[str, Any]:
     """The row's experiment: the WAN benchmark's workload under gossip, behind transoceanic links; with `cut_s`,
     CUT_DATACENTER's link cut for that long once CUT_AFTER_ROUND is logged."""
-    size = SIZES["tiny" if quick else "full"]
+    size = SIZES["tiny" if quick else "medium"]
     doc = experiment(METHOD, size, rounds_for_budget(size.tau, size.steps))
     doc["run"].update(eval_every=doc["run"]["rounds"], round_timeout_s=600)
     doc["datacenters"] = [{"name": name, "link": PROFILE} for name in DATACENTERS]

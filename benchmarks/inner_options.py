@@ -40,7 +40,7 @@ import torch
 from results_file import merge_rows, write_results
 from wan_benchmark import SIZES, Method, RowFailed, drive_crossdc, experiment, rounds_for_budget, run_single_datacenter
 
-SIZE = SIZES["full"]
+SIZE = SIZES["medium"]
 PAPER = {"outer_lr": 0.7, "outer_momentum": 0.9}
 SPARSELOCO_CODECS = ("chunk-topk:64:decay=0.95", "int2")
 SETTINGS: dict[str, dict[str, Any]] = {

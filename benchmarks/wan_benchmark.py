@@ -1,54 +1,52 @@
 """The WAN benchmark: crossdc side by side with single-datacenter training, synchronous data parallel and plain Flower.
 
 Setting: Shakespeare char-transformer (2 layers, d_model 64, 4 heads, context 64; 117k parameters), 4 datacenters
-with the natural non-IID partition (whole plays), batch 32 per datacenter, inner AdamW lr 3e-3 (SCAFFOLD: inner SGD,
-which its control variates need), every datacenter on the `transoceanic` link profile (100 Mbps, 150 ms RTT).
-Budget: the same number of gradient computations for every method — STEPS local steps of batch 32 per datacenter
-(800 in the full size: 16 rounds at τ = 50, 800 rounds at τ = 1), i.e. 4 × 800 batches in all.
+with the natural non-IID partition (whole plays), batch 32 per datacenter, inner AdamW with the same recipe for every
+row (gradient clipping at 1.0, warm-up over 5 % of the steps, cosine decay to a tenth of the learning rate), every
+datacenter on the `transoceanic` link profile (100 Mbps, 150 ms RTT; every datacenter pair too, for gossip and
+synchronous data parallel). Budget: the same number of gradient computations for every method — STEPS local steps
+of batch 32 per datacenter (2,000 in the full size: 40 rounds at τ = 50, 2,000 rounds at τ = 1), 4 × STEPS batches in
+all (the asynchronous row: 4 × STEPS / τ updates of τ steps, whoever computes them).
 
-Methods and how each row is obtained (the table's "time" column says which):
-- single-datacenter baselines (crossdc.orchestration.baselines, run here): `all-workers` (one datacenter with the 4
-  datacenters' workers: global batch 128, STEPS steps) and `sequential` (one worker, batch 32, 4 × STEPS steps).
-  Their compute-only time is measured; all-workers' is its measured time divided by 4 (4 workers in parallel,
-  intra-datacenter all-reduce taken as free).
-- synchronous data parallel across datacenters (τ = 1, fp32 gradients averaged every step over the WAN): its time
-  and bytes are *measured*: `crossdc run --baseline sync-dp` (torch DistributedDataParallel on gloo, each
-  datacenter a rank in its own network namespace, every datacenter pair joined by a transoceanic link of the
-  packet-level emulator) runs a stretch of a few rounds of a few steps (Size.sync_dp_*); the per-step time, WAN time and bytes of its steps
-  after the first round (connections and TCP windows warm) are extrapolated to the budget's steps — a measured
-  stretch extrapolated per step, not the whole budget (800 steps of ≈ 1 s would take the benchmark's whole
-  time again). Its training curve is the all-workers baseline's (averaging 4 datacenters' batch-32 gradients is one
-  step on their 128 examples; the baseline draws its 128 from the pooled data instead of 32 per datacenter). The
-  cost model's figure (crossdc.wan.cost_model.ring_allreduce_time, the textbook ring) is kept beside it.
-- Flower's own FedAvg (flwr.serverapp.strategy.FedAvg, unchanged) with a plain ClientApp at τ = 50
-  (crossdc.testing.flower_baseline), run in Flower's simulation engine; each of its messages carries one Array per
-  model tensor, which the time model counts (more objects, more round trips in Flower's protocol).
-- crossdc: FedAvg with a τ warm-up, DiLoCo (outer Nesterov, lr 0.7, momentum 0.5), DiLoCo + int8, DiLoCo + top-k 1 %
-  (sparsity warm-up) + int8, SCAFFOLD, and FedAvg at τ = 1 with DGC's pipeline (top-k with error feedback and
-  warm-up, int8; down: the union of the 4 datacenters' top-k, i.e. top-k at 4 × their fraction in every round of
-  the warm-up, + int8 — a downlink that lags the union at τ = 1 keeps the datacenters stepping on stale
-  coordinates: loss 2.61 instead of 2.47 after 300 rounds with a plain top-k 4 % downlink). Driven in-process
-  (crossdc.testing.inprocess: the real trainers, codecs, update gate and strategies; Flower's transport left
-  out); bytes are the serialised messages, counted both ways.
-  Tuned on this budget's validation loss, once (full size, DiLoCo alone): outer (lr, momentum) (0.7, 0.9), the
-  paper's, ends at 2.184; (1.0, 0.5) at 1.996; (0.7, 0.5) at 1.909, used here — 16 outer steps are too few for a
-  0.9 momentum to build up. SCAFFOLD's inner SGD: lr 1.0 diverges (NaN, refused by the update gate), 0.3 is used.
+Tuned settings: benchmarks/wan_tuning.py sweeps each family's key hyper-parameter on this budget (three settings
+each) and writes wan_tuning[-size].json; this benchmark reads the chosen settings (the JSON's `tuning` says which,
+or that none were found and the defaults ran).
 
-Time on the emulated link ("cost model" in the table): per round, each datacenter's measured compute plus its link
-time from the cost model validated against the link relay (benchmarks/wan_validation.py: within 6 % on three
-profiles): transfer of the bytes it actually sent and received plus Flower 1.42's round trips for those messages;
-the round lasts as long as the slowest datacenter, plus the platform's measured time outside training (codecs,
-state, aggregation, or Flower's own time for its row). Not counted: Flower's idle polling (up to 3 s per round in
-a deployment), TCP slow start, evaluation.
+How each row runs (the table's "how run" column):
+- **deployed**: `crossdc run` on Flower's Deployment Engine, each datacenter's SuperNode and trainer in its own
+  network namespace behind the packet-level emulator's links (Size.deployed lists these rows, at most 6): times,
+  bytes, compute, idle from the run log (the delay line's ledger and the trainers' own clocks), start-up left out.
+  All four trainers share this machine's two cores, so their compute is about twice an in-process row's.
+- **in-process**: crossdc's real trainers, codecs, update gate and strategies in one process
+  (crossdc.testing.inprocess), Flower's transport left out; bytes are the serialised messages both ways, and the
+  time is each datacenter's measured compute plus its link time from the cost model (Flower 1.42's message pairs
+  over the link), the round lasting as long as the slowest datacenter, plus the platform's own time. A calibration
+  row (DiLoCo) runs both ways; the JSON's `calibration` says by how much the two differ.
+- **simulation**: an asynchronous row not deployed at this size runs in Flower's simulation engine (`crossdc run
+  --engine simulation`); its time is the run log's.
+- **Flower**: Flower's own FedAvg (flwr.serverapp.strategy.FedAvg, unchanged) with a plain ClientApp, in Flower's
+  simulation engine (crossdc.testing.flower_baseline), its link time from the same cost model with one Array per
+  model tensor.
+- **baselines**: `all-workers` (one datacenter with the 4 datacenters' workers: batch 128, STEPS steps; compute
+  time = measured / 4, the intra-datacenter all-reduce taken as free) and `sequential` (one worker, batch 32,
+  4 × STEPS steps), in-process.
+- **sync-dp**: synchronous data parallel measured: `crossdc run --baseline sync-dp` (DDP on gloo, each datacenter a
+  rank in its namespace, every pair on a transoceanic link) runs a stretch of Size.sync_dp_rounds rounds of
+  Size.sync_dp_tau steps; the per-step WAN time and bytes of the rounds after the first are extrapolated to the
+  budget's steps (a measured stretch extrapolated per step, not the whole budget). Its training curve is the
+  all-workers baseline's (4 datacenters' batch-32 gradients averaged are one step on their 128 examples).
 
-Rows train two at a time (`--jobs`, one process each, one torch thread each: the two cores of this machine), so
-each measured compute time is that of one core beside one other busy core.
+Seeds: the two best crossdc rows and the all-workers baseline run Size.seeds seeds (median and range in the table);
+the other rows one seed (0).
 
-Projection column: each row's comm/comp ratio at the mission's scale (a 1B-parameter model, 2 s a step), from the
-cost model with the row's τ and measured compression ratios on the same link — a projection, not a measurement.
+Columns beyond loss and bytes: trainer utilisation (compute / (compute + idle), the least over datacenters), exposed
+comm/comp (idle / compute over all datacenters), peak bytes per sync (the largest message one datacenter sent in
+one synchronisation), time to the all-workers baseline's final loss. The `goals` list in the JSON holds the four
+goals (loss_gap, bytes_ratio, wall_over_compute, beats_flower), each for the row that does best on it, and
+`pareto_front` the rows no other federated row beats on loss, bytes and time together.
 
-Usage: make bench-wan, or python benchmarks/wan_benchmark.py [--size full|tiny] [--jobs 2] [--out benchmarks/results]
-Writes wan_benchmark.json, wan_benchmark.md and wan_benchmark.html (plotly: validation loss vs bytes and vs time).
+Usage: make bench-wan, or python benchmarks/wan_benchmark.py [--size full|medium|tiny] [--jobs 2] [--out DIR]
+Writes wan_benchmark[-size].json, .md and .html (plotly: validation loss vs bytes and vs time, the Pareto front).
 """
 
 from __future__ import annotations
@@ -91,35 +89,53 @@ PROFILE = "transoceanic"
 BATCH = 32
 ADAMW_LR = 3e-3
 SGD_LR = 0.3
+#: DiLoCo's outer step before tuning (the one the medium-size benchmarks used)
 DILOCO = {"outer_lr": 0.7, "outer_momentum": 0.5}
+#: SparseLoCo before tuning: chunked top-k k of every 4096 values, outer learning rate
+SPARSELOCO = {"chunk_k": 64, "outer_lr": 1.0}
+#: the asynchronous row: this datacenter computes 4× slower than the others
+SLOW_DATACENTER = "sa-east"
+SLOW_SPEED = 0.25
 #: the mission's scale, for the projection column: a 1B-parameter model whose step takes 2 s
 PROJECTED_PARAMS = 1_000_000_000
 PROJECTED_STEP_S = 2.0
 #: Flower's FedAvg message: the config (down) or metrics (up) record beside the arrays record
 FLOWER_RECORDS_PER_MESSAGE = 2
+#: rows without WAN traffic or not crossdc's: what the crossdc rows are compared with
+REFERENCE_KEYS = ("all-workers", "sequential", "sync-dp", "flower-fedavg")
+#: the thresholds of the JSON's goals
+GOAL_THRESHOLDS = {"loss_gap": 0.01, "bytes_ratio": 1000.0, "wall_over_compute": 1.05, "beats_flower": 1.0}
+#: the rows run on the Deployment Engine at the full size: the best of each family and the asynchronous row
+DEPLOYED_FULL = ("diloco", "streaming-diloco", "streaming-diloco-int4", "sparseloco", "gossip", "fedbuff-slow")
 
 
 @dataclass(frozen=True)
 class Size:
-    """How long the benchmark runs: local steps per datacenter, τ, warm-ups, how often to evaluate."""
+    """How long the benchmark runs: local steps per datacenter, τ, warm-ups, evaluation, what is deployed, seeds."""
 
     steps: int
     tau: int
     tau_warmup_start: int
     tau_warmup_rounds: int
-    topk_warmup_rounds: int
     dgc_warmup_rounds: int
     eval_every_steps: int
     #: the sync-dp row's measured stretch: rounds of sync_dp_tau steps (the first is warm-up, left out)
     sync_dp_rounds: int = 4
     sync_dp_tau: int = 5
+    #: rows run on the Deployment Engine over the namespace emulator (the others in-process)
+    deployed: tuple[str, ...] = DEPLOYED_FULL
+    #: seeds of the two best crossdc rows and of the all-workers baseline (the other rows: seed 0)
+    seeds: int = 3
 
 
 SIZES = {
-    "full": Size(steps=800, tau=50, tau_warmup_start=10, tau_warmup_rounds=4, topk_warmup_rounds=4,
-                 dgc_warmup_rounds=100, eval_every_steps=50),
-    "tiny": Size(steps=4, tau=2, tau_warmup_start=2, tau_warmup_rounds=0, topk_warmup_rounds=1,
-                 dgc_warmup_rounds=1, eval_every_steps=2, sync_dp_rounds=2, sync_dp_tau=2),
+    "full": Size(steps=2000, tau=50, tau_warmup_start=10, tau_warmup_rounds=4, dgc_warmup_rounds=100,
+                 eval_every_steps=200),
+    #: the budget of the WAN benchmark until 2026-12-04 (16 rounds at τ = 50), kept by the benchmarks that studied it
+    "medium": Size(steps=800, tau=50, tau_warmup_start=10, tau_warmup_rounds=4, dgc_warmup_rounds=100,
+                   eval_every_steps=50),
+    "tiny": Size(steps=4, tau=2, tau_warmup_start=2, tau_warmup_rounds=0, dgc_warmup_rounds=1, eval_every_steps=2,
+                 sync_dp_rounds=2, sync_dp_tau=2, deployed=("diloco",), seeds=1),
 }
 
 
@@ -129,32 +145,84 @@ class Method:
 
     key: str
     label: str
-    engine: str  # "crossdc" (in-process), "flower" (Flower's simulation engine)
+    engine: str  # "crossdc" (deployed or in-process, as the size says), "flower" (Flower's simulation engine)
     strategy: str = "fedavg"
     params: dict[str, Any] = field(default_factory=dict)
     tau: str = "fixed"  # "fixed" (Size.tau), "warmup" (Size.tau_warmup_start → Size.tau), "one" (τ = 1)
     codecs: tuple[str, ...] = ()
     downlink_codecs: tuple[str, ...] = ()
     optimizer: str = "adamw"
+    #: the inner learning rate
+    lr: float = ADAMW_LR
+    #: datacenter → compute speed (1/speed times as long a step) for the datacenters not at full speed
+    speeds: dict[str, float] = field(default_factory=dict)
+    #: the strategy runs the asynchronous loop (not in-process: deployed, or in the simulation engine)
+    asynchronous: bool = False
+    #: the rounds that spend the budget, when they are not those of the τ schedule (the asynchronous row's versions)
+    rounds: int | None = None
 
 
-def methods(size: Size) -> list[Method]:
-    """The federated rows, in table order."""
-    topk = f"topk:0.01:warmup={size.topk_warmup_rounds}"
-    return [
-        Method("flower-fedavg", f"Flower FedAvg (unchanged, plain client), τ = {size.tau}", "flower"),
-        Method("fedavg-warmup", f"crossdc FedAvg, τ warm-up {size.tau_warmup_start} → {size.tau}", "crossdc", tau="warmup"),
-        Method("diloco", f"crossdc DiLoCo, τ = {size.tau}", "crossdc", "diloco", DILOCO),
-        Method("diloco-int8", f"crossdc DiLoCo + int8 (up and down), τ = {size.tau}", "crossdc", "diloco", DILOCO,
+def inner_recipe(lr: float, size: Size) -> dict[str, Any]:
+    """The [workload] keys every row trains with: the learning rate, clipping at 1.0, a warm-up over 5 % of the
+    budget's steps, then a cosine decay to a tenth of the learning rate."""
+    return {"lr": lr, "grad_clip": 1.0,
+            "schedule": {"kind": "cosine", "warmup_steps": size.steps // 20, "min_lr": lr / 10}}
+
+
+def tuning_path(size_name: str, out: Path = RESULTS) -> Path:
+    """Where benchmarks/wan_tuning.py writes the settings it chose for size `size_name`."""
+    return out / ("wan_tuning.json" if size_name == "full" else f"wan_tuning-{size_name}.json")
+
+
+def read_tuning(size_name: str) -> tuple[dict[str, dict[str, Any]], str]:
+    """The tuned settings for this size (family → setting) and where they come from."""
+    path = tuning_path(size_name)
+    if not path.exists():
+        return {}, f"defaults: no tuning results at {path.relative_to(RESULTS.parent.parent)}"
+    data = json.loads(path.read_text())
+    return data["chosen"], f"{path.relative_to(RESULTS.parent.parent)} ({data.get('date', 'undated')})"
+
+
+def method_catalogue(size: Size, tuned: dict[str, dict[str, Any]] | None = None) -> dict[str, Method]:
+    """Every federated row, in table order, with the tuned settings (family → setting, see wan_tuning.py) applied."""
+    tuned = tuned or {}
+    fedavg_lr = float(tuned.get("fedavg", {}).get("lr", ADAMW_LR))
+    outer = {**DILOCO, **tuned.get("diloco", {})}
+    sparse = {**SPARSELOCO, **tuned.get("sparseloco", {})}
+    outer_text = f"outer Nesterov ({outer['outer_lr']:g}, {outer['outer_momentum']:g})"
+    streaming = {"fragments": 2, "overlap": max(1, size.tau // 2), "alpha": 0.5, **outer}
+    sparse_codecs = (f"chunk-topk:{int(sparse['chunk_k'])}:decay=0.95", "int2")
+    updates = len(DATACENTERS) * size.steps // size.tau  # the asynchronous row's budget: τ-step updates in all
+    catalogue = [
+        Method("flower-fedavg", f"Flower FedAvg (unchanged, plain client), τ = {size.tau}", "flower", lr=fedavg_lr),
+        Method("fedavg-warmup", f"crossdc FedAvg, τ warm-up {size.tau_warmup_start} → {size.tau}", "crossdc",
+               tau="warmup", lr=fedavg_lr),
+        Method("diloco", f"crossdc DiLoCo ({outer_text}), τ = {size.tau}", "crossdc", "diloco", outer),
+        Method("diloco-int8", f"crossdc DiLoCo + int8 (up and down), τ = {size.tau}", "crossdc", "diloco", outer,
                codecs=("int8",), downlink_codecs=("int8",)),
-        Method("diloco-topk-int8", f"crossdc DiLoCo + top-k 1 % (warm-up {size.topk_warmup_rounds}) + int8 up, int8 down, "
-               f"τ = {size.tau}", "crossdc", "diloco", DILOCO, codecs=(topk, "int8"), downlink_codecs=("int8",)),
-        Method("scaffold", f"crossdc SCAFFOLD (inner SGD lr {SGD_LR:g}), τ = {size.tau}", "crossdc", "scaffold", optimizer="sgd"),
+        Method("streaming-diloco", f"crossdc Streaming DiLoCo (P = 2, τ_o = {streaming['overlap']}, α = 0.5), fp32, "
+               f"H = {size.tau}", "crossdc", "streaming-diloco", streaming),
+        Method("streaming-diloco-int4", f"crossdc Streaming DiLoCo as above, 4-bit outer gradients, H = {size.tau}",
+               "crossdc", "streaming-diloco", streaming, codecs=("int4",)),
+        Method("sparseloco", f"crossdc SparseLoCo (chunk top-k {int(sparse['chunk_k'])}/4096 + 2-bit, outer lr "
+               f"{sparse['outer_lr']:g}), τ = {size.tau}", "crossdc", "sparseloco", {"outer_lr": sparse["outer_lr"]},
+               codecs=sparse_codecs),
+        Method("gossip", f"crossdc gossip (random pairs, {outer_text}), τ = {size.tau}", "crossdc", "gossip",
+               {"topology": "random-pairs", "nesterov": True, **outer}),
+        Method("fedbuff-slow", f"crossdc FedBuff (K = 4, staleness ≤ 4), {SLOW_DATACENTER} 4× slower, τ = {size.tau}",
+               "crossdc", "fedbuff", {"max_staleness": 4}, lr=fedavg_lr, speeds={SLOW_DATACENTER: SLOW_SPEED},
+               asynchronous=True, rounds=max(1, updates // len(DATACENTERS))),
         Method("fedavg-dgc", f"crossdc FedAvg τ = 1 + DGC (top-k 1 % warm-up {size.dgc_warmup_rounds} + int8 up; "
-               "top-k 4 × that + int8 down)", "crossdc", tau="one",
+               "top-k 4 × that + int8 down)", "crossdc", tau="one", lr=fedavg_lr,
                codecs=(f"topk:0.01:warmup={size.dgc_warmup_rounds}", "int8"),
                downlink_codecs=(f"topk:0.04:warmup={size.dgc_warmup_rounds}:warmup_start=1.0", "int8")),
     ]
+    return {m.key: m for m in catalogue}
+
+
+def methods(size: Size, tuned: dict[str, dict[str, Any]] | None = None) -> list[Method]:
+    """The federated rows, in table order."""
+    return list(method_catalogue(size, tuned).values())
 
 
 def tau_spec(method: Method, size: Size) -> int | dict[str, int]:
@@ -177,19 +245,43 @@ def rounds_for_budget(tau: int | dict[str, int], steps: int) -> int:
     return rounds
 
 
-def experiment(method: Method, size: Size, rounds: int, inner: dict[str, Any] | None = None) -> dict[str, Any]:
+def method_rounds(method: Method, size: Size) -> int:
+    """The rounds (the asynchronous row: versions) that spend the budget."""
+    return method.rounds if method.rounds is not None else rounds_for_budget(tau_spec(method, size), size.steps)
+
+
+def experiment(method: Method, size: Size, rounds: int, inner: dict[str, Any] | None = None, seed: int = 0) -> dict[str, Any]:
     """The experiment config (crossdc's config document) of a federated row; `inner`: more [workload] keys (the inner
-    optimizer's betas, grad_clip, schedule...)."""
+    optimizer's learning rate, betas, grad_clip, schedule...)."""
     return {
-        "run": {"name": f"wan-{method.key}", "rounds": rounds, "seed": 0},
+        "run": {"name": f"wan-{method.key}", "rounds": rounds, "seed": seed},
         "workload": {"dataset": "shakespeare", "model": "char-transformer",
                      "model_args": {"layers": 2, "d_model": 64, "heads": 4, "seq_len": 64},
                      "partition": {"kind": "natural"}, "batch_size": BATCH, "optimizer": method.optimizer,
-                     "lr": SGD_LR if method.optimizer == "sgd" else ADAMW_LR, **(inner or {})},
+                     "lr": SGD_LR if method.optimizer == "sgd" else method.lr, **(inner or {})},
         "strategy": {"name": method.strategy, "tau": tau_spec(method, size), "params": dict(method.params)},
         "compression": {"codecs": list(method.codecs), "downlink_codecs": list(method.downlink_codecs)},
-        "datacenters": [{"name": name} for name in DATACENTERS],
+        "datacenters": [{"name": name, **({"speed": method.speeds[name]} if name in method.speeds else {})}
+                        for name in DATACENTERS],
     }
+
+
+def row_experiment(method: Method, size: Size, seed: int = 0) -> dict[str, Any]:
+    """A row's whole config: the budget's rounds, the inner recipe at the row's learning rate, evaluation every
+    Size.eval_every_steps local steps (a run's rounds), and the emulated links a local run puts its datacenters
+    behind (each datacenter's own, and every pair for the modes that connect datacenters)."""
+    doc = experiment(method, size, method_rounds(method, size), inner_recipe(method.lr, size), seed)
+    if method.asynchronous:
+        per_version = size.tau  # a version: K = 4 updates, one datacenter's τ steps each, i.e. τ per datacenter
+    else:
+        per_version = max(1, size.steps // doc["run"]["rounds"])
+    doc["run"].update(eval_every=max(1, size.eval_every_steps // per_version), round_timeout_s=900)
+    for datacenter in doc["datacenters"]:
+        datacenter["link"] = PROFILE
+    if method.strategy == "gossip":
+        doc["links"] = [{"between": [a, b], "profile": PROFILE}
+                        for i, a in enumerate(DATACENTERS) for b in DATACENTERS[i + 1:]]
+    return doc
 
 
 # ----------------------------------------------------------------------------- engines
@@ -219,11 +311,13 @@ def drive_crossdc(doc: dict[str, Any], root: Path, eval_every_steps: int) -> lis
         if result.rejected:
             reasons = "; ".join(f"{dc}: {why}" for dc, why in sorted(result.rejected.items()))
             raise RowFailed(f"round {server_round}: updates refused by the update gate ({reasons})", rows)
-        compute = [result.compute_s[dc] for dc in fed.datacenters]
+        compute = [result.compute_s.get(dc, 0.0) for dc in fed.datacenters]
+        peak = max([*result.exchange_peak_bytes.values(), *result.link_bytes.values()]
+                   or [max(result.bytes_up.values(), default=0)])
         row: dict[str, Any] = {"round": server_round, "tau": result.tau, "compute_s": compute,
-                               "bytes_up": [result.bytes_up[dc] for dc in fed.datacenters],
-                               "bytes_down": [result.bytes_down[dc] for dc in fed.datacenters],
-                               "round_wall_s": wall, "overhead_s": max(0.0, wall - sum(compute))}
+                               "bytes_up": [result.bytes_up.get(dc, 0) for dc in fed.datacenters],
+                               "bytes_down": [result.bytes_down.get(dc, 0) for dc in fed.datacenters],
+                               "peak_sync_bytes": peak, "round_wall_s": wall, "overhead_s": max(0.0, wall - sum(compute))}
         crossed = steps // eval_every_steps < (steps + result.tau) // eval_every_steps
         steps += result.tau
         if crossed or server_round == doc["run"]["rounds"]:
@@ -232,18 +326,87 @@ def drive_crossdc(doc: dict[str, Any], root: Path, eval_every_steps: int) -> lis
     return rows
 
 
-def run_single_datacenter(size: Size, kind: str, root: Path, inner: dict[str, Any] | None = None) -> dict[str, Any]:
+def drive_local_run(doc: dict[str, Any], root: Path, engine: str, asynchronous: bool = False) -> list[dict[str, Any]]:
+    """`crossdc run` of `doc` on `engine` ("deployment": the datacenters in namespaces behind the emulated links;
+    "simulation"), read back from its run log: per round (an asynchronous run: per version) τ, each datacenter's
+    compute, idle and link seconds and bytes both ways (gossip: its datacenter-to-datacenter links' too), the largest
+    message one datacenter sent in one synchronisation, the round's wall time, and the loss where evaluated.
+    RowFailed when the run does not end well. An asynchronous run logs the updates applied at version v (its round
+    v + 1, since versions count from 0) as datacenter rows of round v."""
+    from crossdc.db.engine import make_engine
+    from crossdc.db.queries import (
+        list_async_updates,
+        list_datacenter_rounds,
+        list_fragment_exchanges,
+        list_link_rounds,
+        list_rounds,
+    )
+    from crossdc.experiment.processes import free_port
+    from crossdc.orchestration.local_run import LocalRunOptions, RunFailed, run_local
+
+    root.mkdir(parents=True, exist_ok=True)
+    db_url = f"sqlite:///{root / 'run.db'}"
+    try:
+        result = run_local(parse_config(doc), LocalRunOptions(db_url=db_url, engine=engine, superlink_port=free_port(),
+                                                              runs_root=root / "runs"))
+    except RunFailed as err:
+        raise RowFailed(f"{engine} run failed: {err}", []) from err
+    database = make_engine(db_url)
+    try:
+        rounds = list_rounds(database, result.run_id)
+        dc_rounds = list_datacenter_rounds(database, result.run_id)
+        exchanges = list_fragment_exchanges(database, result.run_id)
+        links = list_link_rounds(database, result.run_id)
+        updates = list_async_updates(database, result.run_id)
+    finally:
+        database.dispose()
+    rows = []
+    offset = 1 if asynchronous else 0
+    for r in rounds:
+        mine = {dc: [d for d in dc_rounds if d["round"] == r["round"] - offset and d["datacenter"] == dc]
+                for dc in DATACENTERS}
+        sent = {dc: sum(d["bytes_up"] or 0 for d in mine[dc]) + sum(x["bytes"] for x in links
+                                                                    if x["round"] == r["round"] and x["src"] == dc)
+                for dc in DATACENTERS}
+        received = {dc: sum(d["bytes_down"] or 0 for d in mine[dc]) + sum(x["bytes"] for x in links
+                                                                          if x["round"] == r["round"] and x["dst"] == dc)
+                    for dc in DATACENTERS}
+        # one synchronisation's messages: a streaming run's fragment exchanges, a gossip run's link messages, an
+        # asynchronous run's updates, else each datacenter's reply of the round
+        messages = ([x["bytes_up"] for x in exchanges if x["round"] == r["round"]]
+                    or [u["bytes_up"] for u in updates if u["applied_version"] == r["round"] - offset]
+                    or [x["bytes"] for x in links if x["round"] == r["round"]]
+                    or [d["bytes_up"] or 0 for d in dc_rounds if d["round"] == r["round"] - offset])
+        steps = [sum(d["num_examples"] or 0 for d in mine[dc]) // int(doc["workload"]["batch_size"]) for dc in DATACENTERS]
+        rows.append({"round": r["round"], "tau": statistics.mean(steps) if asynchronous else r["tau"],
+                     "compute_s": [sum(d["compute_s"] or 0.0 for d in mine[dc]) for dc in DATACENTERS],
+                     "idle_s": [sum(d["idle_s"] or 0.0 for d in mine[dc]) for dc in DATACENTERS],
+                     # the delay line's seconds in flight on the coordinator's link, and a gossip run's exchanges
+                     "comm_s": [sum(d["comm_s"] or 0.0 for d in mine[dc])
+                                + sum(x["in_flight_s"] or 0.0 for x in links if x["round"] == r["round"] and x["src"] == dc)
+                                for dc in DATACENTERS],
+                     "bytes_up": [sent[dc] for dc in DATACENTERS], "bytes_down": [received[dc] for dc in DATACENTERS],
+                     "peak_sync_bytes": max(messages, default=0), "round_wall_s": float(r["wall_s"] or 0.0),
+                     "eval_s": float(r["eval_s"] or 0.0),
+                     **({"val_loss": r["val_loss"], "val_accuracy": r["val_accuracy"]} if r["val_loss"] is not None else {})})
+    if not rows or "val_loss" not in rows[-1]:
+        raise RowFailed(f"{engine} run {result.run_id} ended without its last round evaluated", rows)
+    return rows
+
+
+def run_single_datacenter(size: Size, kind: str, root: Path, inner: dict[str, Any] | None = None, seed: int = 0) -> dict[str, Any]:
     """Baseline `kind` (all-workers or sequential), evaluated every `eval_every_steps` per-datacenter steps; `inner` as
     for :func:`experiment`."""
     from crossdc.db.engine import upgrade
 
-    db_url = f"sqlite:///{root / f'baseline-{kind}.db'}"
+    db_url = f"sqlite:///{root / f'baseline-{kind}-{seed}.db'}"
     upgrade(db_url)
     rounds = size.steps // size.eval_every_steps
     config = parse_config(experiment(Method("baseline", "", "crossdc"), replace(size, tau=size.eval_every_steps), rounds,
-                                     inner))
+                                     inner, seed))
     history: list[dict[str, Any]] = []
-    summary = run_baseline(config, kind, db_url, f"wan-baseline-{kind}", progress=lambda h: history.__setitem__(slice(None), h))
+    summary = run_baseline(config, kind, db_url, f"wan-baseline-{kind}-{seed}",
+                           progress=lambda h: history.__setitem__(slice(None), h))
     return {"summary": summary, "history": [dict(h) for h in history]}
 
 
@@ -256,26 +419,57 @@ def link_seconds(bytes_down: int, bytes_up: int, tensors: int, records: int, lin
 
 
 def timeline(rounds: list[dict[str, Any]], link: LinkSpec, tensors: int, records: int = CROSSDC_RECORDS_PER_MESSAGE) -> dict[str, Any]:
-    """Emulated wall time of a federated run, round by round (see the module docstring), and its totals."""
-    wall = compute = comm = overhead = 0.0
-    total_bytes = 0
-    curve = []
-    steps = 0
+    """Emulated wall time of an in-process run, round by round (see the module docstring), and its totals. A
+    datacenter idles for the rest of each round after its own compute."""
+    n = len(rounds[0]["compute_s"]) if rounds else len(DATACENTERS)
+    wall = comm = overhead = 0.0
+    compute_each, idle_each = [0.0] * n, [0.0] * n
     for row in rounds:
         links = [link_seconds(d, u, tensors, records, link) for d, u in zip(row["bytes_down"], row["bytes_up"], strict=False)]
         busy = [compute + on_link for compute, on_link in zip(row["compute_s"], links, strict=False)]
         slowest = max(range(len(busy)), key=busy.__getitem__)
-        wall += busy[slowest] + row["overhead_s"]
-        compute += max(row["compute_s"])
+        round_wall = busy[slowest] + row["overhead_s"]
+        wall += round_wall
         comm += links[slowest]
         overhead += row["overhead_s"]
+        for i, compute in enumerate(row["compute_s"]):
+            compute_each[i] += compute
+            idle_each[i] += round_wall - compute
+        row["modelled_wall_s"] = round_wall
+    return {**totals(rounds, compute_each, idle_each, wall, overhead, [r["modelled_wall_s"] for r in rounds]), "comm_s": comm}
+
+
+def measured_timeline(rounds: list[dict[str, Any]]) -> dict[str, Any]:
+    """The totals of a run read from its run log (deployed or simulated): wall time = the rounds' wall time without
+    evaluation; comm_s = the delay line's seconds in flight, summed over datacenters."""
+    n = len(rounds[0]["compute_s"])
+    compute_each = [sum(r["compute_s"][i] for r in rounds) for i in range(n)]
+    idle_each = [sum(r["idle_s"][i] for r in rounds) for i in range(n)]
+    walls = [max(0.0, r["round_wall_s"] - r["eval_s"]) for r in rounds]
+    overhead = sum(max(0.0, w - max(c + i for c, i in zip(r["compute_s"], r["idle_s"], strict=True)))
+                   for w, r in zip(walls, rounds, strict=True))
+    out = totals(rounds, compute_each, idle_each, sum(walls), overhead, walls)
+    out["comm_s"] = sum(sum(r["comm_s"]) for r in rounds) / n
+    return out
+
+
+def totals(rounds: list[dict[str, Any]], compute_each: list[float], idle_each: list[float], wall: float, overhead: float,
+           round_walls: list[float]) -> dict[str, Any]:
+    """A federated row's totals: wall and compute-only time (the slowest datacenter's compute), bytes, utilisation,
+    exposed comm/comp, the peak message of a sync, and the curve (steps per datacenter, bytes, seconds, loss)."""
+    curve, steps, total_bytes, elapsed = [], 0.0, 0, 0.0
+    for row, round_wall in zip(rounds, round_walls, strict=True):
         total_bytes += sum(row["bytes_down"]) + sum(row["bytes_up"])
         steps += row["tau"]
+        elapsed += round_wall
         if row.get("val_loss") is not None:
-            curve.append({"steps": steps, "bytes": total_bytes, "wall_s": wall, "val_loss": row["val_loss"],
+            curve.append({"steps": steps, "bytes": total_bytes, "wall_s": elapsed, "val_loss": row["val_loss"],
                           "val_accuracy": row["val_accuracy"]})
-    return {"wall_s": wall, "compute_s": compute, "comm_s": comm, "overhead_s": overhead, "bytes": total_bytes,
-            "rounds": len(rounds), "steps": steps, "curve": curve}
+    return {"wall_s": wall, "compute_s": max(compute_each), "overhead_s": overhead, "bytes": total_bytes,
+            "rounds": len(rounds), "steps": round(steps), "curve": curve,
+            "utilisation": [c / (c + i) if c + i > 0 else None for c, i in zip(compute_each, idle_each, strict=True)],
+            "exposed_comm_comp": sum(idle_each) / sum(compute_each) if sum(compute_each) > 0 else None,
+            "peak_sync_bytes": max((r.get("peak_sync_bytes", 0) for r in rounds), default=0)}
 
 
 def baseline_row(kind: str, data: dict[str, Any], n: int) -> dict[str, Any]:
@@ -287,7 +481,8 @@ def baseline_row(kind: str, data: dict[str, Any], n: int) -> dict[str, Any]:
         steps += h["tau"] // (1 if kind == "all-workers" else n)
         if h.get("val_loss") is not None:
             curve.append({"steps": steps, "bytes": 0, "wall_s": elapsed, "val_loss": h["val_loss"], "val_accuracy": h["val_accuracy"]})
-    return {"wall_s": elapsed, "compute_s": elapsed, "comm_s": 0.0, "overhead_s": 0.0, "bytes": 0, "steps": steps, "curve": curve}
+    return {"wall_s": elapsed, "compute_s": elapsed, "comm_s": 0.0, "overhead_s": 0.0, "bytes": 0, "steps": steps, "curve": curve,
+            "utilisation": [1.0], "exposed_comm_comp": 0.0, "peak_sync_bytes": 0}
 
 
 def measure_sync_dp(size: Size, link: LinkSpec, root: Path) -> dict[str, Any]:
@@ -297,7 +492,7 @@ def measure_sync_dp(size: Size, link: LinkSpec, root: Path) -> dict[str, Any]:
     from crossdc.db.engine import make_engine, upgrade
     from crossdc.db.queries import list_datacenter_rounds, list_rounds
 
-    doc = experiment(Method("sync-dp", "", "fedavg"), size, size.sync_dp_rounds)
+    doc = experiment(Method("sync-dp", "", "fedavg"), size, size.sync_dp_rounds)  # a stretch: its time, not its loss
     doc["strategy"]["tau"] = size.sync_dp_tau
     doc["datacenters"] = [{"name": name, "link": PROFILE} for name in DATACENTERS]
     doc["links"] = [{"between": [a, b], "profile": PROFILE} for i, a in enumerate(DATACENTERS) for b in DATACENTERS[i + 1:]]
@@ -327,15 +522,19 @@ def sync_dp_row(all_workers: dict[str, Any], params: int, n: int, link: LinkSpec
     per_step_bytes = measured["per_step_bytes"]
     curve = [{**p, "bytes": p["steps"] * per_step_bytes, "wall_s": p["wall_s"] + p["steps"] * per_step_comm} for p in all_workers["curve"]]
     steps = all_workers["steps"]
-    return {"wall_s": all_workers["compute_s"] + steps * per_step_comm, "compute_s": all_workers["compute_s"],
-            "comm_s": steps * per_step_comm, "overhead_s": 0.0, "bytes": steps * per_step_bytes, "steps": steps,
-            "curve": curve, "per_step_comm_s": per_step_comm, "measured_stretch": measured,
+    compute = all_workers["compute_s"]
+    idle = steps * per_step_comm
+    return {"wall_s": compute + idle, "compute_s": compute, "comm_s": idle, "overhead_s": 0.0,
+            "bytes": steps * per_step_bytes, "steps": steps, "curve": curve, "per_step_comm_s": per_step_comm,
+            "utilisation": [compute / (compute + idle)] if compute + idle > 0 else [None],
+            "exposed_comm_comp": idle / compute if compute else None, "peak_sync_bytes": per_step_bytes / n,
+            "measured_stretch": measured,
             "cost_model_per_step_comm_s": ring_allreduce_time(gradient_bytes, n, link.bandwidth_mbps, link.rtt_ms),
             "cost_model_per_step_bytes": 2 * (n - 1) * gradient_bytes}
 
 
 def time_to_loss(curve: list[dict[str, Any]], target: float) -> float | None:
-    """Emulated seconds at the first evaluation whose validation loss is at or below `target` (None: never)."""
+    """Seconds at the first evaluation whose validation loss is at or below `target` (None: never)."""
     return next((p["wall_s"] for p in curve if p["val_loss"] <= target), None)
 
 
@@ -344,40 +543,45 @@ def time_to_loss(curve: list[dict[str, Any]], target: float) -> float | None:
 
 #: the columns that describe a completed run (None for a row that failed)
 FINAL_COLUMNS = ("val_loss", "val_accuracy", "gap_all-workers", "gap_sequential", "bytes_ratio_vs_sync", "comm_comp_ratio",
-                 "wall_over_compute", "overhead_share")
+                 "wall_over_compute", "overhead_share", "min_utilisation")
 
 
 def finish_rows(rows: list[dict[str, Any]]) -> None:
-    """Fill the comparison columns: gaps to the baselines, bytes ratio, comm/comp, overhead share, time to target."""
+    """Fill the comparison columns: gaps to the baselines, bytes ratio, comm/comp, overhead share, least utilisation,
+    time to the all-workers baseline's final loss. A row run over several seeds keeps its median final loss."""
     by_key = {r["key"]: r for r in rows}
     sync = by_key["sync-dp"]
-    target = sync["curve"][-1]["val_loss"]
     for r in rows:
-        r["time_to_sync_loss_s"] = time_to_loss(r["curve"], target)
+        if r.get("failed"):
+            continue
+        r["val_loss"] = statistics.median(r["seed_losses"]) if r.get("seed_losses") else r["curve"][-1]["val_loss"]
+    target = by_key["all-workers"]["val_loss"]
+    for r in rows:
+        r["time_to_all_workers_loss_s"] = time_to_loss(r["curve"], target)
         if r.get("failed"):  # no final model: no end-of-run columns, only how far it got
             r.update({column: None for column in FINAL_COLUMNS})
             continue
-        loss = r["curve"][-1]["val_loss"]
-        r["val_loss"] = loss
+        loss = r["val_loss"]
         r["val_accuracy"] = r["curve"][-1]["val_accuracy"]
         for kind in ("all-workers", "sequential"):
-            ref = by_key[kind]["curve"][-1]["val_loss"]
+            ref = by_key[kind]["val_loss"]
             r[f"gap_{kind}"] = (loss - ref) / ref
         r["bytes_ratio_vs_sync"] = (sync["bytes"] / r["bytes"]) if r["bytes"] else None
         r["comm_comp_ratio"] = r["comm_s"] / r["compute_s"] if r["compute_s"] else None
         r["wall_over_compute"] = r["wall_s"] / r["compute_s"] if r["compute_s"] else None
         r["overhead_share"] = r["overhead_s"] / r["wall_s"] if r["wall_s"] else None
+        known = [u for u in r.get("utilisation", []) if u is not None]
+        r["min_utilisation"] = min(known) if known else None
 
 
 def project(rows: list[dict[str, Any]], params: int, n: int, link: LinkSpec) -> None:
-    """Each row's comm/comp ratio at the mission's scale (PROJECTED_PARAMS, PROJECTED_STEP_S a step), from the cost model.
-
-    Same τ (mean over the run), same measured compression ratios each way (fp32 size of the messages over the
-    bytes sent), same link; Flower's per-object round trips left at crossdc's packing (one Array).
-    """
+    """Each synchronous star row's comm/comp ratio at the mission's scale (PROJECTED_PARAMS, PROJECTED_STEP_S a step),
+    from the cost model: same τ (mean over the run), same measured compression ratios each way (fp32 size of the
+    messages over the bytes sent), same link; Flower's per-object round trips left at crossdc's packing (one Array).
+    The overlapping, decentralised and asynchronous rows are not projected (None)."""
     raw = 4 * params
     for r in rows:
-        if r["key"] in ("all-workers", "sequential") or r.get("failed"):
+        if r["key"] in ("all-workers", "sequential") or r.get("failed") or r.get("loop", "sync") != "sync":
             r["projected_comm_comp_ratio"] = None
         elif r["key"] == "sync-dp":
             r["projected_comm_comp_ratio"] = sync_dp_step(PROJECTED_PARAMS, n, link, PROJECTED_STEP_S).comm_comp_ratio
@@ -392,31 +596,65 @@ def project(rows: list[dict[str, Any]], params: int, n: int, link: LinkSpec) -> 
             r.update(compression_up=up, compression_down=down, projected_comm_comp_ratio=star_round(plan).comm_comp_ratio)
 
 
-def goals(rows: list[dict[str, Any]], size: Size) -> list[str]:
-    """The issue's four goals, each checked against the measured rows: one line per goal, met or not and by what."""
-    crossdc = [r for r in rows if r["key"] not in ("all-workers", "sequential", "sync-dp", "flower-fedavg") and not r.get("failed")]
+def crossdc_rows(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """The completed crossdc rows the goals judge (not the references, not a calibration's second run)."""
+    return [r for r in rows if r["key"] not in REFERENCE_KEYS and not r.get("failed") and not r.get("calibration")]
+
+
+def goal_list(rows: list[dict[str, Any]], size: Size) -> list[dict[str, Any]]:
+    """The four goals, each for the crossdc row that does best on it: {"name", "row", "figure", "threshold", "met"}.
+
+    loss_gap: the lowest (L − L_all-workers) / L_all-workers (met at ≤ 0.01); bytes_ratio: the largest synchronous
+    data parallel's WAN bytes / the row's (≥ 1000); wall_over_compute: the least wall time / compute-only time
+    (≤ 1.05); beats_flower: 1 if a row at Flower's τ has both a lower loss and fewer bytes than Flower's FedAvg (the
+    best such row by loss), else 0 (≥ 1)."""
+    candidates = crossdc_rows(rows)
     flower = next(r for r in rows if r["key"] == "flower-fedavg")
-    best = min(crossdc, key=lambda r: r["val_loss"])
 
-    def verdict(ok: bool) -> str:
-        return "**met**" if ok else "**not met**"
+    def goal(name: str, row: dict[str, Any] | None, figure: float | None, met: bool) -> dict[str, Any]:
+        return {"name": name, "row": row["key"] if row else None, "figure": figure, "threshold": GOAL_THRESHOLDS[name],
+                "met": bool(met)}
 
-    lossy = [r for r in crossdc if r["gap_all-workers"] <= 0.01]
-    frugal = [r for r in crossdc if (r["bytes_ratio_vs_sync"] or 0) >= 100]
-    fast = [r for r in crossdc if (r["wall_over_compute"] or float("inf")) <= 1.1]
-    equal_tau = [r for r in crossdc if all(row["tau"] == size.tau for row in r["per_round"])]
-    beats_flower = [r for r in equal_tau if r["val_loss"] < flower["val_loss"] and r["bytes"] < flower["bytes"]]
-    names = lambda rs: ", ".join(r["key"] for r in rs) or "none"  # noqa: E731
-    return [
-        f"- Within 1 % of the all-workers baseline's validation loss: {verdict(bool(lossy))} — best crossdc row "
-        f"{best['key']} at {100 * best['gap_all-workers']:+.1f} %; rows within 1 %: {names(lossy)}.",
-        f"- ≥ 100× fewer bytes than synchronous data parallel: {verdict(bool(frugal))} — rows: {names(frugal)} "
-        f"(largest ratio {max((r['bytes_ratio_vs_sync'] or 0) for r in crossdc):.0f}×).",
-        f"- Wall time within 1.1× the compute-only limit: {verdict(bool(fast))} — rows: {names(fast)} "
-        f"(best {min(r['wall_over_compute'] for r in crossdc):.2f}×).",
-        f"- Better than Flower's FedAvg on both loss and bytes at equal τ = {size.tau}: {verdict(bool(beats_flower))} — "
-        f"rows: {names(beats_flower)} (Flower: loss {flower['val_loss']:.3f}, {_bytes(flower['bytes'])}).",
-    ]
+    out = []
+    best = min(candidates, key=lambda r: r["gap_all-workers"], default=None)
+    figure = best["gap_all-workers"] if best else None
+    out.append(goal("loss_gap", best, figure, figure is not None and figure <= GOAL_THRESHOLDS["loss_gap"]))
+    frugal = max((r for r in candidates if r["bytes_ratio_vs_sync"]), key=lambda r: r["bytes_ratio_vs_sync"], default=None)
+    figure = frugal["bytes_ratio_vs_sync"] if frugal else None
+    out.append(goal("bytes_ratio", frugal, figure, figure is not None and figure >= GOAL_THRESHOLDS["bytes_ratio"]))
+    fast = min((r for r in candidates if r["wall_over_compute"]), key=lambda r: r["wall_over_compute"], default=None)
+    figure = fast["wall_over_compute"] if fast else None
+    out.append(goal("wall_over_compute", fast, figure, figure is not None and figure <= GOAL_THRESHOLDS["wall_over_compute"]))
+    equal_tau = [r for r in candidates if all(row["tau"] == size.tau for row in r["per_round"])]
+    beating = [r for r in equal_tau if not flower.get("failed") and r["val_loss"] < flower["val_loss"]
+               and r["bytes"] < flower["bytes"]]
+    winner = min(beating, key=lambda r: r["val_loss"], default=None)
+    out.append(goal("beats_flower", winner, 1.0 if winner else 0.0, winner is not None))
+    return out
+
+
+def pareto_front(rows: list[dict[str, Any]]) -> list[str]:
+    """The federated rows (crossdc's, Flower's and synchronous data parallel) that no other such row matches or beats
+    on validation loss, WAN bytes and wall time together while beating it on one."""
+    pool = [r for r in rows if r["key"] not in ("all-workers", "sequential") and not r.get("failed")
+            and not r.get("calibration")]
+
+    def dominates(a: dict[str, Any], b: dict[str, Any]) -> bool:
+        keys = ("val_loss", "bytes", "wall_s")
+        return all(a[k] <= b[k] for k in keys) and any(a[k] < b[k] for k in keys)
+
+    return [r["key"] for r in pool if not any(dominates(o, r) for o in pool if o is not r)]
+
+
+def seed_rows(rows: list[dict[str, Any]]) -> list[str]:
+    """The rows a multi-seed run repeats: the all-workers baseline and the two crossdc rows with the lowest loss."""
+    best = sorted(crossdc_rows(rows), key=lambda r: r["curve"][-1]["val_loss"])[:2]
+    return ["all-workers", *(r["key"] for r in best)]
+
+
+def seed_spread(losses: list[float]) -> dict[str, Any]:
+    """Median and range of a row's final losses over its seeds."""
+    return {"median": statistics.median(losses), "min": min(losses), "max": max(losses), "seeds": len(losses)}
 
 
 def _num(value: float | None, fmt: str, none: str = "—") -> str:
@@ -430,14 +668,23 @@ def _bytes(n: float) -> str:
     return f"{n:.0f} B"
 
 
-def markdown(rows: list[dict[str, Any]], size_name: str, size: Size, link: LinkSpec, verdicts: list[str]) -> str:
-    # the figures between "val loss" and "time from", each "—" in a row that failed
-    figures = ["gap all-workers", "gap sequential", "WAN bytes", "bytes vs sync", "time", "compute-only", "time / compute",
-               "comm/comp", "overhead share", "time to sync's loss"]
+def _goal_line(goal: dict[str, Any]) -> str:
+    verdict = "**met**" if goal["met"] else "**not met**"
+    figure = _num(goal["figure"], ".4g")
+    return f"- `{goal['name']}`: {verdict} — row {goal['row'] or 'none'}, figure {figure}, threshold {goal['threshold']:g}"
+
+
+def markdown(rows: list[dict[str, Any]], size_name: str, size: Size, link: LinkSpec, goals: list[dict[str, Any]],
+             front: list[str], tuning: str) -> str:
+    # the figures between "val loss" and "how run", each "—" in a row that failed
+    figures = ["gap all-workers", "gap sequential", "WAN bytes", "bytes vs sync", "peak bytes / sync", "time",
+               "compute-only", "time / compute", "utilisation (least)", "exposed comm/comp", "comm/comp",
+               "overhead share", "time to all-workers' loss"]
     lines = [f"Shakespeare char-transformer, 4 datacenters (natural partition), {link.describe()}, "
-             f"{size.steps} local steps of batch {BATCH} per datacenter for every method ({size_name} size).",
+             f"{size.steps} local steps of batch {BATCH} per datacenter for every method ({size_name} size); "
+             f"tuned settings: {tuning}.",
              "",
-             "| " + " | ".join(["method", "val loss", *figures, "time from",
+             "| " + " | ".join(["method", "val loss", *figures, "how run",
                                 "comm/comp at 1B params, 2 s/step (projected)"]) + " |",
              "| --- | ---: |" + " ---: |" * len(figures) + " --- | ---: |"]
     for r in rows:
@@ -445,27 +692,34 @@ def markdown(rows: list[dict[str, Any]], size_name: str, size: Size, link: LinkS
             lines.append(f"| {r['label']} | failed after {r['steps']} of {size.steps} steps (below) |"
                          + " — |" * len(figures) + f" {r['time_from']} | — |")
             continue
+        loss = f"{r['val_loss']:.3f}"
+        if r.get("seed_losses") and len(r["seed_losses"]) > 1:
+            loss += f" ({min(r['seed_losses']):.3f}–{max(r['seed_losses']):.3f}, {len(r['seed_losses'])} seeds)"
+        time_to = r["time_to_all_workers_loss_s"]
         lines.append(
-            f"| {r['label']} | {r['val_loss']:.3f} | {100 * r['gap_all-workers']:+.1f} % | {100 * r['gap_sequential']:+.1f} % | "
-            f"{_bytes(r['bytes']) if r['bytes'] else '0'} | "
+            f"| {r['label']}{' ◆' if r['key'] in front else ''} | {loss} | {100 * r['gap_all-workers']:+.1f} % | "
+            f"{100 * r['gap_sequential']:+.1f} % | {_bytes(r['bytes']) if r['bytes'] else '0'} | "
             f"{_num(r['bytes_ratio_vs_sync'], '.0f')}{'×' if r['bytes_ratio_vs_sync'] else ''} | "
-            f"{r['wall_s']:.0f} s | {r['compute_s']:.0f} s | {_num(r['wall_over_compute'], '.2f')} | {_num(r['comm_comp_ratio'], '.2f')} | "
-            f"{_num(r['overhead_share'] and 100 * r['overhead_share'], '.1f')} % | "
-            f"{_num(r['time_to_sync_loss_s'], '.0f', 'not reached')}{' s' if r['time_to_sync_loss_s'] is not None else ''} | "
-            f"{r['time_from']} | "
+            f"{_bytes(r['peak_sync_bytes']) if r['peak_sync_bytes'] else '0'} | "
+            f"{r['wall_s']:.0f} s | {r['compute_s']:.0f} s | {_num(r['wall_over_compute'], '.2f')} | "
+            f"{_num(r['min_utilisation'] and 100 * r['min_utilisation'], '.1f')} % | {_num(r['exposed_comm_comp'], '.3f')} | "
+            f"{_num(r['comm_comp_ratio'], '.2f')} | {_num(r['overhead_share'] and 100 * r['overhead_share'], '.1f')} % | "
+            f"{_num(time_to, '.0f', 'not reached')}{' s' if time_to is not None else ''} | {r['time_from']} | "
             f"{_num(r['projected_comm_comp_ratio'], '.2f')} |")
     failures = [f"- {r['key']} failed: {r['failed']}" for r in rows if r.get("failed")]
     if failures:
         failures = ["", "Rows that did not complete (left out of the goals):", *failures]
-    return "\n".join(lines + failures + ["", "Goals, checked against the rows above:", *verdicts])
+    return "\n".join(lines + failures + ["", "◆: on the Pareto front (loss, bytes, time) of the federated rows.", "",
+                                         "Goals (each for the row that does best on it):",
+                                         *(_goal_line(g) for g in goals)])
 
 
-def chart(rows: list[dict[str, Any]], path: Path, title: str) -> None:
+def chart(rows: list[dict[str, Any]], front: list[str], path: Path, title: str) -> None:
     import plotly.graph_objects as go
     from plotly.subplots import make_subplots
 
     figure = make_subplots(rows=1, cols=2, subplot_titles=("validation loss vs bytes on the "
-                                                           "WAN", "validation loss vs time on the emulated link"))
+                                                           "WAN", "validation loss vs time on the (emulated) link"))
     for r in rows:
         points = r["curve"]
         name = r["label"] + (" (failed)" if r.get("failed") else "")
@@ -475,87 +729,188 @@ def chart(rows: list[dict[str, Any]], path: Path, title: str) -> None:
         figure.add_trace(go.Scatter(x=[p["wall_s"] for p in points], y=[p["val_loss"] for p in points], mode="lines+markers",
                                     name=name, legendgroup=r["key"], showlegend=not r["bytes"],
                                     line={"dash": "dot"} if not r["bytes"] else None), row=1, col=2)
+    on_front = sorted((r for r in rows if r["key"] in front), key=lambda r: r["bytes"])
+    for col, axis in ((1, "bytes"), (2, "wall_s")):
+        figure.add_trace(go.Scatter(x=[r[axis] for r in on_front], y=[r["val_loss"] for r in on_front], mode="markers+text",
+                                    text=[r["key"] for r in on_front], textposition="top center",
+                                    marker={"symbol": "diamond", "size": 13, "color": "black"},
+                                    name="Pareto front (loss, bytes, time)", legendgroup="pareto", showlegend=col == 1),
+                         row=1, col=col)
     figure.update_xaxes(type="log", title_text="bytes (cumulative, both directions, all datacenters)", row=1, col=1)
     figure.update_xaxes(type="log", title_text="seconds", row=1, col=2)
     figure.update_yaxes(title_text="validation loss")
-    figure.update_layout(title=title, height=600)
+    figure.update_layout(title=title, height=650)
     figure.write_html(path, include_plotlyjs=True)
 
 
 # ----------------------------------------------------------------------------- main
 
 
-def task(key: str, size_name: str, root: str, threads: int) -> dict[str, Any]:
-    """One row's training, in a worker process: a baseline's history, or a federated row's per-round record."""
+def how_run(method: Method, size: Size) -> str:
+    """The engine a row runs on at `size`: deployed, in-process, simulation or Flower."""
+    if method.engine == "flower":
+        return "flower"
+    if method.key in size.deployed:
+        return "deployed"
+    return "simulation" if method.asynchronous else "in-process"
+
+
+TIME_FROM = {
+    "deployed": "deployed: Deployment Engine over the namespace emulator; run log",
+    "in-process": "in-process: cost model for the link, measured compute and platform time",
+    "simulation": "Flower's simulation engine; run log (no emulated link)",
+    "flower": "Flower's simulation engine: cost model for the link, measured compute and Flower's own time",
+    "calibration": "in-process (calibration of the deployed row)",
+}
+
+
+def task(key: str, size_name: str, root: str, threads: int, seed: int = 0, engine: str | None = None) -> dict[str, Any]:
+    """One row's training in a worker process: a baseline's history, or a federated row's per-round record; `engine`
+    forces "in-process" (the calibration's second run)."""
     torch.set_num_threads(threads)
     size, n, link = SIZES[size_name], len(DATACENTERS), LINK_PROFILES[PROFILE]
+    tuned, _ = read_tuning(size_name)
     started = time.perf_counter()
+    where = Path(root) / f"{key}-{engine or 'own'}-{seed}"
     if key in ("all-workers", "sequential"):
         label = (f"one datacenter, all {n} datacenters' workers (batch {n * BATCH})" if key == "all-workers"
                  else f"one datacenter, one worker, {n}× the steps")
-        row = {"key": key, "label": label, "time_from": "measured",
-               **baseline_row(key, run_single_datacenter(size, key, Path(root)), n)}
+        lr = float(tuned.get(key, {}).get("lr", ADAMW_LR))
+        where.mkdir(parents=True, exist_ok=True)
+        row = {"key": key, "label": f"{label}, lr {lr:g}", "time_from": "measured (in-process)", "seed": seed,
+               **baseline_row(key, run_single_datacenter(size, key, where, inner_recipe(lr, size), seed), n)}
     else:
-        method = next(m for m in methods(size) if m.key == key)
+        method = method_catalogue(size, tuned)[key]
+        mode = engine or how_run(method, size)
         failed: str | None = None
-        doc = experiment(method, size, rounds_for_budget(tau_spec(method, size), size.steps))
-        if method.engine == "flower":
+        doc = row_experiment(method, size, seed)
+        loop = "async" if method.asynchronous else {"streaming-diloco": "streaming", "gossip": "gossip"}.get(method.strategy, "sync")
+        if mode == "flower":
             per_round = run_flower_fedavg(parse_config(doc), size.tau, doc["run"]["rounds"])
+            for r in per_round:
+                r["peak_sync_bytes"] = max(r["bytes_up"])
             measured = timeline(per_round, link, len(build_model_for(size).state_dict()), records=FLOWER_RECORDS_PER_MESSAGE)
-            time_from = "cost model for the link, measured compute and Flower's own time"
-        else:
+        elif mode in ("deployed", "simulation"):
+            if mode == "simulation":  # no emulated links there: the run log's time is compute and Flower's own
+                for datacenter in doc["datacenters"]:
+                    datacenter.pop("link", None)
+                doc.pop("links", None)
             try:
-                per_round = drive_crossdc(doc, Path(root) / key, size.eval_every_steps)
+                per_round = drive_local_run(doc, where, "deployment" if mode == "deployed" else "simulation",
+                                            method.asynchronous)
             except RowFailed as err:
                 per_round, failed = err.rounds, str(err)
-            tensors = 2 if method.strategy == "scaffold" else 1  # one packed Array per tensor group
-            measured = timeline(per_round, link, tensors)
-            time_from = "cost model for the link, measured compute and platform time"
-        row = {"key": key, "label": method.label, "time_from": time_from, "config": doc, "per_round": per_round,
-               "failed": failed, **measured}
+            measured = measured_timeline(per_round) if per_round else totals([], [0.0], [0.0], 0.0, 0.0, [])
+        else:
+            try:
+                per_round = drive_crossdc(doc, where, size.eval_every_steps)
+            except RowFailed as err:
+                per_round, failed = err.rounds, str(err)
+            measured = timeline(per_round, link, 1)  # one packed Array per tensor group
+        calibration = engine == "in-process" and how_run(method, size) == "deployed"
+        row = {"key": f"{key}-inprocess" if calibration else key,
+               "label": method.label + (" [in-process calibration]" if calibration else ""),
+               "time_from": TIME_FROM["calibration" if calibration else mode], "how_run": mode, "loop": loop,
+               "calibration": calibration, "seed": seed, "config": doc, "per_round": per_round, "failed": failed, **measured}
     row["benchmark_wall_s"] = time.perf_counter() - started
     outcome = (f"FAILED after {row['steps']} steps: {row['failed']}" if row.get("failed") else
                f"val loss {row['curve'][-1]['val_loss']:.4f}  bytes {row['bytes']:>13,d}  time {row['wall_s']:.0f}s")
-    print(f"  {key:<18} {outcome}  ({row['benchmark_wall_s']:.0f}s to run)", flush=True)
+    print(f"  {row['key']:<24} seed {seed}  {outcome}  ({row['benchmark_wall_s']:.0f}s to run)", flush=True)
     return row
 
 
+def calibration_of(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """Each row run both ways: deployed against in-process (loss, bytes, wall time, wall over compute)."""
+    by_key = {r["key"]: r for r in rows}
+    out = []
+    for r in rows:
+        if not r.get("calibration") or r.get("failed"):
+            continue
+        deployed = by_key.get(r["key"].removesuffix("-inprocess"))
+        if deployed is None or deployed.get("failed"):
+            continue
+        d_loss, i_loss = deployed["curve"][-1]["val_loss"], r["curve"][-1]["val_loss"]
+        out.append({"row": deployed["key"], "val_loss_deployed": d_loss, "val_loss_inprocess": i_loss,
+                    "val_loss_difference": (d_loss - i_loss) / i_loss,
+                    "bytes_deployed": deployed["bytes"], "bytes_inprocess": r["bytes"],
+                    "wall_s_deployed": deployed["wall_s"], "wall_s_inprocess_model": r["wall_s"],
+                    "compute_s_deployed": deployed["compute_s"], "compute_s_inprocess": r["compute_s"],
+                    "wall_over_compute_deployed": deployed["wall_s"] / deployed["compute_s"],
+                    "wall_over_compute_inprocess": r["wall_s"] / r["compute_s"]})
+    return out
+
+
+def run_pool(work: list[tuple[str, int, str | None]], size_name: str, root: str, jobs: int, threads: int) -> list[dict[str, Any]]:
+    """Run every (key, seed, engine) of `work`: the in-process and simulated ones `jobs` at a time, then each deployed
+    run alone (four datacenters' trainers use every core, and it times the WAN)."""
+    size = SIZES[size_name]
+    catalogue = method_catalogue(size)
+
+    def alone(item: tuple[str, int, str | None]) -> bool:
+        key, _, engine = item
+        return engine is None and key in catalogue and how_run(catalogue[key], size) == "deployed"
+
+    pooled = [item for item in work if not alone(item)]
+    done: list[dict[str, Any]] = []
+    if jobs <= 1:
+        done += [task(key, size_name, root, threads, seed, engine) for key, seed, engine in pooled]
+    else:
+        with ProcessPoolExecutor(max_workers=jobs, mp_context=multiprocessing.get_context("spawn")) as pool:
+            futures = [pool.submit(task, key, size_name, root, threads, seed, engine) for key, seed, engine in pooled]
+            done += [future.result() for future in futures]
+    for key, seed, engine in (item for item in work if alone(item)):
+        with ProcessPoolExecutor(max_workers=1, mp_context=multiprocessing.get_context("spawn")) as pool:
+            done.append(pool.submit(task, key, size_name, root, threads, seed, engine).result())
+    return done
+
+
 def run(size_name: str, out: Path, only: list[str] | None = None, jobs: int = 2, threads: int = 1) -> dict[str, Any]:
-    """Run every row of size `size_name`, `jobs` rows at a time (each in its own process with `threads` torch
-    threads); write wan_benchmark[-size].json / .md / .html under `out`; return the result."""
+    """Run every row of size `size_name`; write wan_benchmark[-size].json / .md / .html under `out`; return the result."""
     size = SIZES[size_name]
     link = LINK_PROFILES[PROFILE]
     n = len(DATACENTERS)
+    tuned, tuning = read_tuning(size_name)
+    catalogue = method_catalogue(size, tuned)
     started = time.perf_counter()
-    federated = [m.key for m in methods(size) if not only or m.key in only]
+    federated = [key for key in catalogue if not only or key in only]
     # longest first (τ = 1 has the most rounds, Flower starts its engine), so that the pool ends together
-    keys = sorted(federated, key=lambda k: (k != "fedavg-dgc", k != "flower-fedavg")) + ["all-workers", "sequential"]
+    order = sorted(federated, key=lambda k: (k != "fedavg-dgc", k != "flower-fedavg"))
+    work: list[tuple[str, int, str | None]] = [(k, 0, None) for k in ["sequential", "all-workers", *order]]
+    work += [(k, 0, "in-process") for k in federated if how_run(catalogue[k], size) == "deployed"][:1]  # calibration
     with tempfile.TemporaryDirectory() as tmp:
         measured_sync = measure_sync_dp(size, link, Path(tmp) / "sync-dp")  # alone: it times the WAN, not the cores
-        if jobs <= 1:
-            done = {key: task(key, size_name, tmp, threads) for key in keys}
-        else:
-            with ProcessPoolExecutor(max_workers=jobs, mp_context=multiprocessing.get_context("spawn")) as pool:
-                futures = {key: pool.submit(task, key, size_name, tmp, threads) for key in keys}
-                done = {key: future.result() for key, future in futures.items()}
+        done = run_pool(work, size_name, tmp, jobs, threads)
+        by_key = {r["key"]: r for r in done}
+        repeated = seed_rows(done) if size.seeds > 1 else []
+        extra = run_pool([(k, s, None) for s in range(1, size.seeds) for k in repeated], size_name, tmp, jobs, threads)
+    for key in repeated:
+        runs = [by_key[key], *(r for r in extra if r["key"] == key)]
+        by_key[key]["seed_losses"] = [r["curve"][-1]["val_loss"] for r in runs if not r.get("failed")]
+        by_key[key]["seed_spread"] = seed_spread(by_key[key]["seed_losses"])
     params = sum(int(p.numel()) for p in build_model_for(size).parameters())
     sync = {"key": "sync-dp", "label": "synchronous data parallel across datacenters (τ = 1, fp32, DDP on gloo)",
             "time_from": "measured: sync-dp baseline over the emulated WAN (a stretch, per step); training = all-workers",
-            **sync_dp_row(done["all-workers"], params, n, link, measured_sync)}
-    rows = [done["all-workers"], done["sequential"], sync, *(done[k] for k in federated)]
+            "how_run": "deployed (stretch)", "loop": "sync-dp",
+            **sync_dp_row(by_key["all-workers"], params, n, link, measured_sync)}
+    if "seed_losses" in by_key["all-workers"]:  # its training curve is the all-workers baseline's
+        sync["seed_losses"] = by_key["all-workers"]["seed_losses"]
+    calibrations = [r for r in done if r.get("calibration")]
+    rows = [by_key["all-workers"], by_key["sequential"], sync, *(by_key[k] for k in federated), *calibrations]
     finish_rows(rows)
     project(rows, params, n, link)
-    verdicts = goals(rows, size)
-    table = markdown(rows, size_name, size, link, verdicts)
+    goals = goal_list(rows, size)
+    front = pareto_front(rows)
+    table = markdown(rows, size_name, size, link, goals, front, tuning)
     suffix = "" if size_name == "full" else f"-{size_name}"
     out.mkdir(parents=True, exist_ok=True)
     result = {"setting": {"size": size_name, **asdict(size), "datacenters": list(DATACENTERS), "link": asdict(link),
-                          "batch_size": BATCH, "adamw_lr": ADAMW_LR, "sgd_lr": SGD_LR, "params": params, "jobs": jobs,
-                          "torch_threads": threads},
+                          "batch_size": BATCH, "inner_recipe": inner_recipe(ADAMW_LR, size), "params": params,
+                          "jobs": jobs, "torch_threads": threads, "tuning": tuning, "tuned": tuned},
               "machine": f"{platform.machine()}, {os.cpu_count()} cores, torch {torch.__version__}",
-              "rows": rows, "goals": verdicts, "wall_s": time.perf_counter() - started, "table_markdown": table}
+              "date": time.strftime("%Y-%m-%d"), "rows": rows, "goals": goals, "pareto_front": front,
+              "calibration": calibration_of(rows), "wall_s": time.perf_counter() - started, "table_markdown": table}
     (out / f"wan_benchmark{suffix}.md").write_text(table + "\n")
-    chart(rows, out / f"wan_benchmark{suffix}.html", f"crossdc vs synchronous and Flower on a {link.describe()} link")
+    chart(rows, front, out / f"wan_benchmark{suffix}.html", f"crossdc vs synchronous and Flower on a {link.describe()} link")
     write_results(out / f"wan_benchmark{suffix}.json", result, table)
     return result
 
@@ -572,7 +927,7 @@ def main() -> None:
     parser.add_argument("--size", choices=sorted(SIZES), default="full")
     parser.add_argument("--out", type=Path, default=RESULTS)
     parser.add_argument("--only", nargs="*", help="federated rows to run (keys); default: all")
-    parser.add_argument("--jobs", type=int, default=2, help="rows trained at once, one process each (default 2)")
+    parser.add_argument("--jobs", type=int, default=2, help="in-process rows trained at once, one process each (default 2)")
     parser.add_argument("--threads", type=int, default=1, help="torch threads per row (default 1)")
     parser.add_argument("--sync-dp-only", action="store_true",
                         help="only the sync-dp row's measured stretch, against the cost model's figure "
