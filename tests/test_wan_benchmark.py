@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import importlib
 import json
+import statistics
 import sys
 from pathlib import Path
 
@@ -119,6 +120,11 @@ def test_every_row_runs_at_the_tiny_size(bench, tmp_path: Path) -> None:
     # the calibration: the same training both ways; the weights and bytes agree, the time is what differs
     (calibration,) = result["calibration"]
     assert calibration["row"] == "diloco" and abs(calibration["val_loss_difference"]) < 1e-3
+    # the all-workers baseline and the two best crossdc rows over 2 seeds, the other rows over 1
+    seeded = [key for key, row in rows.items() if row.get("seed_losses")]
+    assert len(seeded) == 4 and "all-workers" in seeded and "sync-dp" in seeded  # sync-dp trains as all-workers
+    assert all(len(rows[k]["seed_losses"]) == 2 and rows[k]["val_loss"] == pytest.approx(statistics.median(rows[k]["seed_losses"]))
+               for k in seeded)
     params = result["setting"]["params"]
     # measured at the delay line: each of the 4 ranks sends 2(N−1)/N of the fp32 gradient per step, plus headers
     assert size.steps * 2 * 3 * 4 * params <= rows["sync-dp"]["bytes"] <= 1.2 * size.steps * 2 * 3 * 4 * params
