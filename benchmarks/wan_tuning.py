@@ -28,7 +28,7 @@ import os
 import platform
 import tempfile
 import time
-from concurrent.futures import ProcessPoolExecutor
+from concurrent.futures import ProcessPoolExecutor, as_completed
 from pathlib import Path
 from typing import Any
 
@@ -127,18 +127,23 @@ def main() -> None:
             for setting in settings]
     # the longest runs first (sequential trains 4× the steps), so the pool ends together
     work.sort(key=lambda item: item[0] != "sequential")
+    fresh: list[dict[str, Any]] = []
     with tempfile.TemporaryDirectory() as tmp, \
             ProcessPoolExecutor(max_workers=args.jobs, mp_context=multiprocessing.get_context("spawn")) as pool:
         futures = [pool.submit(run_setting, family, setting, args.size, tmp) for family, setting in work]
-        fresh = [future.result() for future in futures]
-    rows = merge_rows(out, fresh, key=lambda r: r["key"])
+        for future in as_completed(futures):  # written as each run ends: a later failure loses none of them
+            fresh.append(future.result())
+            write(out, args.size, merge_rows(out, fresh, key=lambda r: r["key"]), time.perf_counter() - started)
+
+
+def write(out: Path, size_name: str, rows: list[dict[str, Any]], wall_s: float) -> None:
     choice = chosen(rows)
-    table = markdown(rows, choice, args.size)
-    write_results(out, {"size": args.size, "steps": SIZES[args.size].steps, "grid": GRID, "family_row": FAMILY_ROW,
-                        "inner_recipe": inner_recipe(ADAMW_LR, SIZES[args.size]), "rows": rows, "chosen": choice,
+    table = markdown(rows, choice, size_name)
+    write_results(out, {"size": size_name, "steps": SIZES[size_name].steps, "grid": GRID, "family_row": FAMILY_ROW,
+                        "inner_recipe": inner_recipe(ADAMW_LR, SIZES[size_name]), "rows": rows, "chosen": choice,
                         "date": time.strftime("%Y-%m-%d"),
                         "machine": f"{platform.machine()}, {os.cpu_count()} cores, torch {torch.__version__}",
-                        "wall_s": time.perf_counter() - started, "table_markdown": table}, table)
+                        "wall_s": wall_s, "table_markdown": table}, table)
 
 
 if __name__ == "__main__":
