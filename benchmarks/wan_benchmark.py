@@ -47,6 +47,7 @@ goals (loss_gap, bytes_ratio, wall_over_compute, beats_flower), each for the row
 `pareto_front` the rows no other federated row beats on loss, bytes and time together.
 
 Usage: make bench-wan, or python benchmarks/wan_benchmark.py [--size full|medium|tiny] [--jobs 2] [--out DIR]
+[--report-only: remake the report from the last run's wan_benchmark-raw[-size].json, running nothing]
 Writes wan_benchmark[-size].json, .md and .html (plotly: validation loss vs bytes and vs time, the Pareto front).
 """
 
@@ -352,6 +353,8 @@ def drive_local_run(doc: dict[str, Any], root: Path, engine: str, asynchronous: 
                                                               runs_root=root / "runs"))
     except RunFailed as err:
         raise RowFailed(f"{engine} run failed: {err}", []) from err
+    except Exception as err:  # noqa: BLE001 - a run that cannot even start ends this row, not the benchmark
+        raise RowFailed(f"{engine} run could not run: {type(err).__name__}: {err}", []) from err
     database = make_engine(db_url)
     try:
         rounds = list_rounds(database, result.run_id)
@@ -865,11 +868,16 @@ def run_pool(work: list[tuple[str, int, str | None]], size_name: str, root: str,
     return done
 
 
+def raw_path(size_name: str, out: Path) -> Path:
+    """Where a run keeps what it measured before the report is made (the report can be remade from it)."""
+    return out / ("wan_benchmark-raw.json" if size_name == "full" else f"wan_benchmark-raw-{size_name}.json")
+
+
 def run(size_name: str, out: Path, only: list[str] | None = None, jobs: int = 2, threads: int = 1) -> dict[str, Any]:
-    """Run every row of size `size_name`; write wan_benchmark[-size].json / .md / .html under `out`; return the result."""
+    """Run every row of size `size_name`; write wan_benchmark[-size].json / .md / .html under `out` (and, first, what
+    was measured, to wan_benchmark-raw[-size].json); return the result."""
     size = SIZES[size_name]
     link = LINK_PROFILES[PROFILE]
-    n = len(DATACENTERS)
     tuned, tuning = read_tuning(size_name)
     catalogue = method_catalogue(size, tuned)
     started = time.perf_counter()
@@ -881,13 +889,29 @@ def run(size_name: str, out: Path, only: list[str] | None = None, jobs: int = 2,
     with tempfile.TemporaryDirectory() as tmp:
         measured_sync = measure_sync_dp(size, link, Path(tmp) / "sync-dp")  # alone: it times the WAN, not the cores
         done = run_pool(work, size_name, tmp, jobs, threads)
-        by_key = {r["key"]: r for r in done}
         repeated = seed_rows(done) if size.seeds > 1 else []
         # the other seeds measure the final loss only: a deployed synchronous row's run in-process, which trains the
         # same weights (the calibration row shows it), so the seeds cost no extra deployments
         extra = run_pool([(k, s, None if k not in catalogue or catalogue[k].asynchronous else "in-process")
                           for s in range(1, size.seeds) for k in repeated], size_name, tmp, jobs, threads)
-    for key in repeated:
+    measured_sync.pop("run_summary", None)
+    raw = {"size": size_name, "federated": federated, "tuned": tuned, "tuning": tuning, "jobs": jobs, "threads": threads,
+           "sync_dp": measured_sync, "done": done, "repeated": repeated, "extra": extra,
+           "measure_wall_s": time.perf_counter() - started}
+    out.mkdir(parents=True, exist_ok=True)
+    raw_path(size_name, out).write_text(json.dumps(raw))
+    return report(raw, out)
+
+
+def report(raw: dict[str, Any], out: Path) -> dict[str, Any]:
+    """The table, goals, Pareto front, chart and results file from what a run measured (`raw`, see :func:`run`)."""
+    size_name = raw["size"]
+    size = SIZES[size_name]
+    link = LINK_PROFILES[PROFILE]
+    n = len(DATACENTERS)
+    done, extra, federated = raw["done"], raw["extra"], raw["federated"]
+    by_key = {r["key"]: r for r in done}
+    for key in raw["repeated"]:
         runs = [by_key[key], *(r for r in extra if r["key"] == key)]
         by_key[key]["seed_losses"] = [r["curve"][-1]["val_loss"] for r in runs if not r.get("failed")]
         by_key[key]["seed_spread"] = seed_spread(by_key[key]["seed_losses"])
@@ -895,7 +919,7 @@ def run(size_name: str, out: Path, only: list[str] | None = None, jobs: int = 2,
     sync = {"key": "sync-dp", "label": "synchronous data parallel across datacenters (τ = 1, fp32, DDP on gloo)",
             "time_from": "measured: sync-dp baseline over the emulated WAN (a stretch, per step); training = all-workers",
             "how_run": "deployed (stretch)", "loop": "sync-dp",
-            **sync_dp_row(by_key["all-workers"], params, n, link, measured_sync)}
+            **sync_dp_row(by_key["all-workers"], params, n, link, raw["sync_dp"])}
     if "seed_losses" in by_key["all-workers"]:  # its training curve is the all-workers baseline's
         sync["seed_losses"] = by_key["all-workers"]["seed_losses"]
     calibrations = [r for r in done if r.get("calibration")]
@@ -904,15 +928,16 @@ def run(size_name: str, out: Path, only: list[str] | None = None, jobs: int = 2,
     project(rows, params, n, link)
     goals = goal_list(rows, size)
     front = pareto_front(rows)
-    table = markdown(rows, size_name, size, link, goals, front, tuning)
+    table = markdown(rows, size_name, size, link, goals, front, raw["tuning"])
     suffix = "" if size_name == "full" else f"-{size_name}"
     out.mkdir(parents=True, exist_ok=True)
     result = {"setting": {"size": size_name, **asdict(size), "datacenters": list(DATACENTERS), "link": asdict(link),
                           "batch_size": BATCH, "inner_recipe": inner_recipe(ADAMW_LR, size), "params": params,
-                          "jobs": jobs, "torch_threads": threads, "tuning": tuning, "tuned": tuned},
+                          "jobs": raw["jobs"], "torch_threads": raw["threads"], "tuning": raw["tuning"],
+                          "tuned": raw["tuned"]},
               "machine": f"{platform.machine()}, {os.cpu_count()} cores, torch {torch.__version__}",
               "date": time.strftime("%Y-%m-%d"), "rows": rows, "goals": goals, "pareto_front": front,
-              "calibration": calibration_of(rows), "wall_s": time.perf_counter() - started, "table_markdown": table}
+              "calibration": calibration_of(rows), "wall_s": raw["measure_wall_s"], "table_markdown": table}
     (out / f"wan_benchmark{suffix}.md").write_text(table + "\n")
     chart(rows, front, out / f"wan_benchmark{suffix}.html", f"crossdc vs synchronous and Flower on a {link.describe()} link")
     write_results(out / f"wan_benchmark{suffix}.json", result, table)
@@ -936,9 +961,13 @@ def main() -> None:
     parser.add_argument("--sync-dp-only", action="store_true",
                         help="only the sync-dp row's measured stretch, against the cost model's figure "
                              "(writes wan_benchmark_sync_dp[-size].json)")
+    parser.add_argument("--report-only", action="store_true",
+                        help="run nothing: remake the report from the last run's wan_benchmark-raw[-size].json")
     args = parser.parse_args()
     if args.sync_dp_only:
         sync_dp_only(args.size, args.out)
+    elif args.report_only:
+        report(json.loads(raw_path(args.size, args.out).read_text()), args.out)
     else:
         run(args.size, args.out, args.only, args.jobs, args.threads)
 
