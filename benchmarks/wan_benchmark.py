@@ -301,6 +301,7 @@ def drive_crossdc(doc: dict[str, Any], root: Path, eval_every_steps: int) -> lis
     """Every round in-process; per round: τ, per-datacenter compute and bytes, the platform's time; loss at eval points.
     RowFailed (with the completed rounds) when a round cannot complete or a datacenter's update is refused."""
     fed = InProcessFederation.from_config(parse_config(doc), root)
+    gossip = fed.strategy.loop == "gossip"
     rows: list[dict[str, Any]] = []
     steps = 0
     for server_round in range(1, doc["run"]["rounds"] + 1):
@@ -318,7 +319,8 @@ def drive_crossdc(doc: dict[str, Any], root: Path, eval_every_steps: int) -> lis
                    or [max(result.bytes_up.values(), default=0)])
         row: dict[str, Any] = {"round": server_round, "tau": result.tau, "compute_s": compute,
                                "bytes_up": [result.bytes_up.get(dc, 0) for dc in fed.datacenters],
-                               "bytes_down": [result.bytes_down.get(dc, 0) for dc in fed.datacenters],
+                               # gossip: a message between datacenters crosses the WAN once (counted as sent)
+                               "bytes_down": [0 if gossip else result.bytes_down.get(dc, 0) for dc in fed.datacenters],
                                "peak_sync_bytes": peak, "round_wall_s": wall, "overhead_s": max(0.0, wall - sum(compute))}
         crossed = steps // eval_every_steps < (steps + result.tau) // eval_every_steps
         steps += result.tau
@@ -366,15 +368,15 @@ def drive_local_run(doc: dict[str, Any], root: Path, engine: str, asynchronous: 
         database.dispose()
     rows = []
     offset = 1 if asynchronous else 0
+    gossip = doc["strategy"]["name"] == "gossip"
     for r in rounds:
         mine = {dc: [d for d in dc_rounds if d["round"] == r["round"] - offset and d["datacenter"] == dc]
                 for dc in DATACENTERS}
-        sent = {dc: sum(d["bytes_up"] or 0 for d in mine[dc]) + sum(x["bytes"] for x in links
-                                                                    if x["round"] == r["round"] and x["src"] == dc)
-                for dc in DATACENTERS}
-        received = {dc: sum(d["bytes_down"] or 0 for d in mine[dc]) + sum(x["bytes"] for x in links
-                                                                          if x["round"] == r["round"] and x["dst"] == dc)
-                    for dc in DATACENTERS}
+        # a gossip run's datacenter rows hold the bytes of its links (sent, and received from the others): a message
+        # between two datacenters crosses the WAN once, so only what was sent counts (the star's two directions are
+        # different messages)
+        sent = {dc: sum(d["bytes_up"] or 0 for d in mine[dc]) for dc in DATACENTERS}
+        received = {dc: 0 if gossip else sum(d["bytes_down"] or 0 for d in mine[dc]) for dc in DATACENTERS}
         # one synchronisation's messages: a streaming run's fragment exchanges, a gossip run's link messages, an
         # asynchronous run's updates, else each datacenter's reply of the round
         messages = ([x["bytes_up"] for x in exchanges if x["round"] == r["round"]]
@@ -390,6 +392,7 @@ def drive_local_run(doc: dict[str, Any], root: Path, engine: str, asynchronous: 
                                 + sum(x["in_flight_s"] or 0.0 for x in links if x["round"] == r["round"] and x["src"] == dc)
                                 for dc in DATACENTERS],
                      "bytes_up": [sent[dc] for dc in DATACENTERS], "bytes_down": [received[dc] for dc in DATACENTERS],
+                     "steps_each": steps,
                      "peak_sync_bytes": max(messages, default=0), "round_wall_s": float(r["wall_s"] or 0.0),
                      "eval_s": float(r["eval_s"] or 0.0),
                      **({"val_loss": r["val_loss"], "val_accuracy": r["val_accuracy"]} if r["val_loss"] is not None else {})})
@@ -443,9 +446,11 @@ def timeline(rounds: list[dict[str, Any]], link: LinkSpec, tensors: int, records
     return {**totals(rounds, compute_each, idle_each, wall, overhead, [r["modelled_wall_s"] for r in rounds]), "comm_s": comm}
 
 
-def measured_timeline(rounds: list[dict[str, Any]]) -> dict[str, Any]:
+def measured_timeline(rounds: list[dict[str, Any]], asynchronous: bool = False) -> dict[str, Any]:
     """The totals of a run read from its run log (deployed or simulated): wall time = the rounds' wall time without
-    evaluation; comm_s = the delay line's seconds in flight, summed over datacenters."""
+    evaluation; comm_s = the delay line's seconds in flight, summed over datacenters. An asynchronous run's
+    compute-only time is its steps at the datacenters' summed step rates (each computing without a pause), not the
+    slowest datacenter's compute (which, always busy, is about the whole run)."""
     n = len(rounds[0]["compute_s"])
     compute_each = [sum(r["compute_s"][i] for r in rounds) for i in range(n)]
     idle_each = [sum(r["idle_s"][i] for r in rounds) for i in range(n)]
@@ -454,6 +459,10 @@ def measured_timeline(rounds: list[dict[str, Any]]) -> dict[str, Any]:
                    for w, r in zip(walls, rounds, strict=True))
     out = totals(rounds, compute_each, idle_each, sum(walls), overhead, walls)
     out["comm_s"] = sum(sum(r["comm_s"]) for r in rounds) / n
+    if asynchronous:
+        steps_each = [sum(r["steps_each"][i] for r in rounds) for i in range(n)]
+        rate = sum(s / c for s, c in zip(steps_each, compute_each, strict=True) if c > 0)
+        out["compute_s"] = sum(steps_each) / rate if rate > 0 else 0.0
     return out
 
 
@@ -613,7 +622,7 @@ def goal_list(rows: list[dict[str, Any]], size: Size) -> list[dict[str, Any]]:
     (≤ 1.05); beats_flower: 1 if a row at Flower's τ has both a lower loss and fewer bytes than Flower's FedAvg (the
     best such row by loss), else 0 (≥ 1)."""
     candidates = crossdc_rows(rows)
-    flower = next(r for r in rows if r["key"] == "flower-fedavg")
+    flower = next((r for r in rows if r["key"] == "flower-fedavg" and not r.get("failed")), None)
 
     def goal(name: str, row: dict[str, Any] | None, figure: float | None, met: bool) -> dict[str, Any]:
         return {"name": name, "row": row["key"] if row else None, "figure": figure, "threshold": GOAL_THRESHOLDS[name],
@@ -630,7 +639,7 @@ def goal_list(rows: list[dict[str, Any]], size: Size) -> list[dict[str, Any]]:
     figure = fast["wall_over_compute"] if fast else None
     out.append(goal("wall_over_compute", fast, figure, figure is not None and figure <= GOAL_THRESHOLDS["wall_over_compute"]))
     equal_tau = [r for r in candidates if all(row["tau"] == size.tau for row in r["per_round"])]
-    beating = [r for r in equal_tau if not flower.get("failed") and r["val_loss"] < flower["val_loss"]
+    beating = [r for r in equal_tau if flower is not None and r["val_loss"] < flower["val_loss"]
                and r["bytes"] < flower["bytes"]]
     winner = min(beating, key=lambda r: r["val_loss"], default=None)
     out.append(goal("beats_flower", winner, 1.0 if winner else 0.0, winner is not None))
@@ -770,7 +779,18 @@ TIME_FROM = {
 
 def task(key: str, size_name: str, root: str, threads: int, seed: int = 0, engine: str | None = None) -> dict[str, Any]:
     """One row's training in a worker process: a baseline's history, or a federated row's per-round record; `engine`
-    forces "in-process" (the calibration's second run)."""
+    forces "in-process" (the calibration's second run). A row that breaks in a way its engine does not catch is
+    returned failed, with nothing measured, so the other rows are kept."""
+    try:
+        return _task(key, size_name, root, threads, seed, engine)
+    except Exception as err:  # noqa: BLE001 - one row's breakdown must not cost the benchmark its other rows
+        print(f"  {key:<24} seed {seed}  BROKE: {type(err).__name__}: {err}", flush=True)
+        return {"key": key, "label": key, "time_from": "—", "how_run": engine or "—", "seed": seed, "per_round": [],
+                "failed": f"{type(err).__name__}: {err}",
+                **totals([], [0.0], [0.0], 0.0, 0.0, []), "comm_s": 0.0}
+
+
+def _task(key: str, size_name: str, root: str, threads: int, seed: int, engine: str | None) -> dict[str, Any]:
     torch.set_num_threads(threads)
     size, n, link = SIZES[size_name], len(DATACENTERS), LINK_PROFILES[PROFILE]
     tuned, _ = read_tuning(size_name)
@@ -804,7 +824,8 @@ def task(key: str, size_name: str, root: str, threads: int, seed: int = 0, engin
                                             method.asynchronous)
             except RowFailed as err:
                 per_round, failed = err.rounds, str(err)
-            measured = measured_timeline(per_round) if per_round else totals([], [0.0], [0.0], 0.0, 0.0, [])
+            measured = (measured_timeline(per_round, method.asynchronous) if per_round
+                        else totals([], [0.0], [0.0], 0.0, 0.0, []))
         else:
             try:
                 per_round = drive_crossdc(doc, where, size.eval_every_steps)

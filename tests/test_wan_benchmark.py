@@ -222,3 +222,15 @@ def test_pareto_front_and_seeds(bench) -> None:
     assert bench.pareto_front(rows) == ["sync-dp", "a", "c"]
     assert bench.seed_spread([2.0, 1.8, 2.3]) == {"median": 2.0, "min": 1.8, "max": 2.3, "seeds": 3}
     assert bench.seed_rows([*rows, _row("sequential", 1.0, 0), _row("flower-fedavg", 0.5, 10)]) == ["all-workers", "a", "b"]
+
+
+def test_an_asynchronous_rows_compute_only_time_is_its_steps_at_the_summed_step_rates(bench) -> None:
+    # three datacenters at 10 steps/s, one 4x slower and always busy: the slowest one's compute (40 s) would be the
+    # whole run; without the WAN the 325 steps take 325 / 30.625 s
+    rounds = [{"round": 1, "tau": 81.25, "compute_s": [10.0, 10.0, 10.0, 40.0], "idle_s": [1.0, 1.0, 1.0, 0.0],
+               "comm_s": [0.5] * 4, "bytes_up": [1] * 4, "bytes_down": [1] * 4, "steps_each": [100, 100, 100, 25],
+               "round_wall_s": 42.0, "eval_s": 1.0, "val_loss": 2.0, "val_accuracy": 0.1}]
+    out = bench.measured_timeline(rounds, asynchronous=True)
+    assert out["compute_s"] == pytest.approx(325 / 30.625) and out["wall_s"] == 41.0  # evaluation left out
+    assert bench.measured_timeline(rounds)["compute_s"] == 40.0  # a synchronous run: the slowest datacenter's
+    assert out["utilisation"] == pytest.approx([10 / 11, 10 / 11, 10 / 11, 1.0]) and out["exposed_comm_comp"] == pytest.approx(3 / 70)
