@@ -128,6 +128,8 @@ class Size:
     deployed: tuple[str, ...] = DEPLOYED_FULL
     #: seeds of the two best crossdc rows and of the all-workers baseline (the other rows: seed 0)
     seeds: int = 3
+    #: deployed rows run alone, after the others (they time the WAN); False: beside them (a smoke test's size)
+    deployed_alone: bool = True
 
 
 SIZES = {
@@ -137,7 +139,7 @@ SIZES = {
     "medium": Size(steps=800, tau=50, tau_warmup_start=10, tau_warmup_rounds=4, dgc_warmup_rounds=100,
                    eval_every_steps=50),
     "tiny": Size(steps=4, tau=2, tau_warmup_start=2, tau_warmup_rounds=0, dgc_warmup_rounds=1, eval_every_steps=2,
-                 sync_dp_rounds=2, sync_dp_tau=2, deployed=("diloco",), seeds=2),
+                 sync_dp_rounds=2, sync_dp_tau=2, deployed=("diloco",), seeds=2, deployed_alone=False),
 }
 
 
@@ -873,7 +875,8 @@ def run_pool(work: list[tuple[str, int, str | None]], size_name: str, root: str,
 
     def alone(item: tuple[str, int, str | None]) -> bool:
         key, _, engine = item
-        return engine is None and key in catalogue and how_run(catalogue[key], size) == "deployed"
+        return (size.deployed_alone and engine is None and key in catalogue
+                and how_run(catalogue[key], size) == "deployed")
 
     pooled = [item for item in work if not alone(item)]
     done: list[dict[str, Any]] = []
