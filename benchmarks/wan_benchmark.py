@@ -72,6 +72,7 @@ from results_file import write_results
 from crossdc.experiment.config import parse_config
 from crossdc.experiment.links import LINK_PROFILES, LinkSpec
 from crossdc.orchestration.baselines import run_baseline
+from crossdc.strategies.registry import strategy_class
 from crossdc.strategies.schedule import tau_for_round
 from crossdc.testing.flower_baseline import run_flower_fedavg
 from crossdc.testing.inprocess import InProcessFederation
@@ -160,10 +161,18 @@ class Method:
     lr: float = ADAMW_LR
     #: datacenter → compute speed (1/speed times as long a step) for the datacenters not at full speed
     speeds: dict[str, float] = field(default_factory=dict)
-    #: the strategy runs the asynchronous loop (not in-process: deployed, or in the simulation engine)
-    asynchronous: bool = False
     #: the rounds that spend the budget, when they are not those of the τ schedule (the asynchronous row's versions)
     rounds: int | None = None
+
+    @property
+    def loop(self) -> str:
+        """The loop the strategy declares (sync, async, streaming, gossip)."""
+        return strategy_class(self.strategy).loop
+
+    @property
+    def asynchronous(self) -> bool:
+        """The strategy runs the asynchronous loop (not in-process: deployed, or in the simulation engine)."""
+        return self.loop == "async"
 
 
 def inner_recipe(lr: float, size: Size) -> dict[str, Any]:
@@ -215,7 +224,7 @@ def method_catalogue(size: Size, tuned: dict[str, dict[str, Any]] | None = None)
                {"topology": "random-pairs", "nesterov": True, **outer}),
         Method("fedbuff-slow", f"crossdc FedBuff (K = 4, staleness ≤ 4), {SLOW_DATACENTER} 4× slower, τ = {size.tau}",
                "crossdc", "fedbuff", {"max_staleness": 4}, lr=fedavg_lr, speeds={SLOW_DATACENTER: SLOW_SPEED},
-               asynchronous=True, rounds=max(1, updates // len(DATACENTERS))),
+               rounds=max(1, updates // len(DATACENTERS))),
         Method("fedavg-dgc", f"crossdc FedAvg τ = 1 + DGC (top-k 1 % warm-up {size.dgc_warmup_rounds} + int8 up; "
                "top-k 4 × that + int8 down)", "crossdc", tau="one", lr=fedavg_lr,
                codecs=(f"topk:0.01:warmup={size.dgc_warmup_rounds}", "int8"),
@@ -810,7 +819,7 @@ def _task(key: str, size_name: str, root: str, threads: int, seed: int, engine: 
         mode = engine or how_run(method, size)
         failed: str | None = None
         doc = row_experiment(method, size, seed)
-        loop = "async" if method.asynchronous else {"streaming-diloco": "streaming", "gossip": "gossip"}.get(method.strategy, "sync")
+        loop = method.loop
         if mode == "flower":
             per_round = run_flower_fedavg(parse_config(doc), size.tau, doc["run"]["rounds"])
             for r in per_round:
