@@ -24,9 +24,11 @@ How each row runs (the table's "how run" column):
   row (DiLoCo) runs both ways; the JSON's `calibration` says by how much the two differ.
 - **simulation**: an asynchronous row not deployed at this size runs in Flower's simulation engine (`crossdc run
   --engine simulation`); its time is the run log's.
-- **Flower**: Flower's own FedAvg (flwr.serverapp.strategy.FedAvg, unchanged) with a plain ClientApp, in Flower's
-  simulation engine (crossdc.testing.flower_baseline), its link time from the same cost model with one Array per
-  model tensor.
+- **Flower** (deployed too): Flower's own FedAvg (flwr.serverapp.strategy.FedAvg, unchanged) with a plain ClientApp
+  (crossdc.testing.flower_baseline), submitted with `flwr run` to Flower's Deployment Engine: Flower's own
+  `flower-supernode` in each datacenter's namespace behind the same emulated links. It writes no run log: its rounds
+  come from its ServerApp (per-round wall clock, the clients' compute and message sizes), its link seconds from the
+  delay line's ledger, read as crossdc's run log reads it.
 - **baselines**: `all-workers` (one datacenter with the 4 datacenters' workers: batch 128, STEPS steps; compute
   time = measured / 4, the intra-datacenter all-reduce taken as free) and `sequential` (one worker, batch 32,
   4 × STEPS steps), in-process.
@@ -48,6 +50,7 @@ goals (loss_gap, bytes_ratio, wall_over_compute, beats_flower), each for the row
 
 Usage: make bench-wan, or python benchmarks/wan_benchmark.py [--size full|medium|tiny] [--jobs 2] [--out DIR]
 [--report-only: remake the report from the last run's wan_benchmark-raw[-size].json, running nothing]
+[--rerun ROW ...: measure these rows again in place of the last run's, keep the others; the report says so]
 Writes wan_benchmark[-size].json, .md and .html (plotly: validation loss vs bytes and vs time, the Pareto front).
 """
 
@@ -74,7 +77,7 @@ from crossdc.experiment.links import LINK_PROFILES, LinkSpec
 from crossdc.orchestration.baselines import run_baseline
 from crossdc.strategies.registry import strategy_class
 from crossdc.strategies.schedule import tau_for_round
-from crossdc.testing.flower_baseline import run_flower_fedavg
+from crossdc.testing.flower_baseline import FlowerBaselineError, run_flower_fedavg
 from crossdc.testing.inprocess import InProcessFederation
 from crossdc.wan.cost_model import (
     CROSSDC_RECORDS_PER_MESSAGE,
@@ -102,14 +105,13 @@ SLOW_SPEED = 0.25
 #: the mission's scale, for the projection column: a 1B-parameter model whose step takes 2 s
 PROJECTED_PARAMS = 1_000_000_000
 PROJECTED_STEP_S = 2.0
-#: Flower's FedAvg message: the config (down) or metrics (up) record beside the arrays record
-FLOWER_RECORDS_PER_MESSAGE = 2
 #: rows without WAN traffic or not crossdc's: what the crossdc rows are compared with
 REFERENCE_KEYS = ("all-workers", "sequential", "sync-dp", "flower-fedavg")
 #: the thresholds of the JSON's goals
 GOAL_THRESHOLDS = {"loss_gap": 0.01, "bytes_ratio": 1000.0, "wall_over_compute": 1.05, "beats_flower": 1.0}
-#: the rows run on the Deployment Engine at the full size: the best of each family and the asynchronous row
-DEPLOYED_FULL = ("diloco", "streaming-diloco", "streaming-diloco-int4", "sparseloco", "gossip", "fedbuff-slow")
+#: the rows run on the Deployment Engine at the full size: Flower's FedAvg (deployed at every size), the best of each
+#: family and the asynchronous row (6 in all)
+DEPLOYED_FULL = ("flower-fedavg", "diloco", "streaming-diloco-int4", "sparseloco", "gossip", "fedbuff-slow")
 
 
 @dataclass(frozen=True)
@@ -150,7 +152,7 @@ class Method:
 
     key: str
     label: str
-    engine: str  # "crossdc" (deployed or in-process, as the size says), "flower" (Flower's simulation engine)
+    engine: str  # "crossdc" (deployed or in-process, as the size says), "flower" (plain Flower, always deployed)
     strategy: str = "fedavg"
     params: dict[str, Any] = field(default_factory=dict)
     tau: str = "fixed"  # "fixed" (Size.tau), "warmup" (Size.tau_warmup_start → Size.tau), "one" (τ = 1)
@@ -205,6 +207,9 @@ def method_catalogue(size: Size, tuned: dict[str, dict[str, Any]] | None = None)
     outer_text = f"outer Nesterov ({outer['outer_lr']:g}, {outer['outer_momentum']:g})"
     streaming = {"fragments": 2, "overlap": max(1, size.tau // 2), "alpha": 0.5, **outer}
     sparse_codecs = (f"chunk-topk:{int(sparse['chunk_k'])}:decay=0.95", "int2")
+    # down: the mean of 4 datacenters' selections has at most 4 k entries per chunk; 4-bit values (the reference's
+    # error feedback carries what the rounding leaves to the next round)
+    sparse_down = (f"chunk-topk:{4 * int(sparse['chunk_k'])}", "int4")
     updates = len(DATACENTERS) * size.steps // size.tau  # the asynchronous row's budget: τ-step updates in all
     catalogue = [
         Method("flower-fedavg", f"Flower FedAvg (unchanged, plain client), τ = {size.tau}", "flower", lr=fedavg_lr),
@@ -217,9 +222,10 @@ def method_catalogue(size: Size, tuned: dict[str, dict[str, Any]] | None = None)
                f"H = {size.tau}", "crossdc", "streaming-diloco", streaming),
         Method("streaming-diloco-int4", f"crossdc Streaming DiLoCo as above, 4-bit outer gradients, H = {size.tau}",
                "crossdc", "streaming-diloco", streaming, codecs=("int4",)),
-        Method("sparseloco", f"crossdc SparseLoCo (chunk top-k {int(sparse['chunk_k'])}/4096 + 2-bit, outer lr "
-               f"{sparse['outer_lr']:g}), τ = {size.tau}", "crossdc", "sparseloco", {"outer_lr": sparse["outer_lr"]},
-               codecs=sparse_codecs),
+        Method("sparseloco", f"crossdc SparseLoCo (chunk top-k {int(sparse['chunk_k'])}/4096 + 2-bit up, "
+               f"{4 * int(sparse['chunk_k'])}/4096 + 4-bit down, outer lr {sparse['outer_lr']:g}), τ = {size.tau}",
+               "crossdc", "sparseloco", {"outer_lr": sparse["outer_lr"]}, codecs=sparse_codecs,
+               downlink_codecs=sparse_down),
         Method("gossip", f"crossdc gossip (random pairs, {outer_text}), τ = {size.tau}", "crossdc", "gossip",
                {"topology": "random-pairs", "nesterov": True, **outer}),
         Method("fedbuff-slow", f"crossdc FedBuff (K = 4, staleness ≤ 4), {SLOW_DATACENTER} 4× slower, τ = {size.tau}",
@@ -699,7 +705,7 @@ def _goal_line(goal: dict[str, Any]) -> str:
 
 
 def markdown(rows: list[dict[str, Any]], size_name: str, size: Size, link: LinkSpec, goals: list[dict[str, Any]],
-             front: list[str], tuning: str) -> str:
+             front: list[str], tuning: str, remeasured: list[dict[str, Any]] | None = None) -> str:
     # the figures between "val loss" and "how run", each "—" in a row that failed
     figures = ["gap all-workers", "gap sequential", "WAN bytes", "bytes vs sync", "peak bytes / sync", "time",
                "compute-only", "time / compute", "utilisation (least)", "exposed comm/comp", "comm/comp",
@@ -733,6 +739,8 @@ def markdown(rows: list[dict[str, Any]], size_name: str, size: Size, link: LinkS
     failures = [f"- {r['key']} failed: {r['failed']}" for r in rows if r.get("failed")]
     if failures:
         failures = ["", "Rows that did not complete (left out of the goals):", *failures]
+    failures += [line for m in remeasured or [] for line in
+                 ("", f"Measured again on {m['date']} (`--rerun`), the other rows as first measured: {', '.join(m['rows'])}.")]
     return "\n".join(lines + failures + ["", "◆: on the Pareto front (loss, bytes, time) of the federated rows.", "",
                                          "Goals (each for the row that does best on it):",
                                          *(_goal_line(g) for g in goals)])
@@ -771,10 +779,8 @@ def chart(rows: list[dict[str, Any]], front: list[str], path: Path, title: str) 
 
 
 def how_run(method: Method, size: Size) -> str:
-    """The engine a row runs on at `size`: deployed, in-process, simulation or Flower."""
-    if method.engine == "flower":
-        return "flower"
-    if method.key in size.deployed:
+    """The engine a row runs on at `size`: deployed (plain Flower always), in-process or simulation."""
+    if method.engine == "flower" or method.key in size.deployed:
         return "deployed"
     return "simulation" if method.asynchronous else "in-process"
 
@@ -783,7 +789,7 @@ TIME_FROM = {
     "deployed": "deployed: Deployment Engine over the namespace emulator; run log",
     "in-process": "in-process: cost model for the link, measured compute and platform time",
     "simulation": "Flower's simulation engine; run log (no emulated link)",
-    "flower": "Flower's simulation engine: cost model for the link, measured compute and Flower's own time",
+    "flower": "deployed: plain Flower on the Deployment Engine over the namespace emulator; its ServerApp and the ledger",
     "calibration": "in-process (calibration of the deployed row)",
 }
 
@@ -820,11 +826,14 @@ def _task(key: str, size_name: str, root: str, threads: int, seed: int, engine: 
         failed: str | None = None
         doc = row_experiment(method, size, seed)
         loop = method.loop
-        if mode == "flower":
-            per_round = run_flower_fedavg(parse_config(doc), size.tau, doc["run"]["rounds"])
+        if method.engine == "flower":
+            try:
+                per_round = run_flower_fedavg(parse_config(doc), size.tau, doc["run"]["rounds"], where)
+            except FlowerBaselineError as err:
+                raise RowFailed(str(err), []) from err
             for r in per_round:
-                r["peak_sync_bytes"] = max(r["bytes_up"])
-            measured = timeline(per_round, link, len(build_model_for(size).state_dict()), records=FLOWER_RECORDS_PER_MESSAGE)
+                r.update(peak_sync_bytes=max(r["bytes_up"]), steps_each=[r["tau"]] * n, eval_s=0.0)
+            measured = measured_timeline(per_round)
         elif mode in ("deployed", "simulation"):
             if mode == "simulation":  # no emulated links there: the run log's time is compute and Flower's own
                 for datacenter in doc["datacenters"]:
@@ -846,7 +855,8 @@ def _task(key: str, size_name: str, root: str, threads: int, seed: int, engine: 
         calibration = engine == "in-process" and how_run(method, size) == "deployed" and seed == 0
         row = {"key": f"{key}-inprocess" if calibration else key,
                "label": method.label + (" [in-process calibration]" if calibration else ""),
-               "time_from": TIME_FROM["calibration" if calibration else mode], "how_run": mode, "loop": loop,
+               "time_from": TIME_FROM["calibration" if calibration else method.engine if method.engine == "flower" else mode],
+               "how_run": mode, "loop": loop,
                "calibration": calibration, "seed": seed, "config": doc, "per_round": per_round, "failed": failed, **measured}
     row["benchmark_wall_s"] = time.perf_counter() - started
     outcome = (f"FAILED after {row['steps']} steps: {row['failed']}" if row.get("failed") else
@@ -918,7 +928,8 @@ def run(size_name: str, out: Path, only: list[str] | None = None, jobs: int = 2,
     # longest first (τ = 1 has the most rounds, Flower starts its engine), so that the pool ends together
     order = sorted(federated, key=lambda k: (k != "fedavg-dgc", k != "flower-fedavg"))
     work: list[tuple[str, int, str | None]] = [(k, 0, None) for k in ["sequential", "all-workers", *order]]
-    work += [(k, 0, "in-process") for k in federated if how_run(catalogue[k], size) == "deployed"][:1]  # calibration
+    work += [(k, 0, "in-process") for k in federated  # the calibration: crossdc's first deployed row, run in-process too
+             if catalogue[k].engine == "crossdc" and how_run(catalogue[k], size) == "deployed"][:1]
     with tempfile.TemporaryDirectory() as tmp:
         measured_sync = measure_sync_dp(size, link, Path(tmp) / "sync-dp")  # alone: it times the WAN, not the cores
         done = run_pool(work, size_name, tmp, jobs, threads)
@@ -933,6 +944,35 @@ def run(size_name: str, out: Path, only: list[str] | None = None, jobs: int = 2,
            "measure_wall_s": time.perf_counter() - started}
     out.mkdir(parents=True, exist_ok=True)
     raw_path(size_name, out).write_text(json.dumps(raw))
+    return report(raw, out)
+
+
+def rerun(size_name: str, out: Path, keys: list[str], jobs: int = 2, threads: int = 1) -> dict[str, Any]:
+    """Measure the rows `keys` again (seed 0, and their other seeds where the last run repeated them), put them in
+    place of the last run's in wan_benchmark-raw[-size].json, and remake the report. Every other row, the sync-dp
+    stretch, the calibration and which rows are repeated stay as the last run measured them; the raw file's
+    `remeasured` (and the report) lists which rows were measured again, when, and why the harness allows it: a row
+    changed (its codecs, how it runs) without the others changing."""
+    path = raw_path(size_name, out)
+    if not path.exists():
+        raise SystemExit(f"--rerun needs the last run's {path}: run the whole benchmark first")
+    raw = json.loads(path.read_text())
+    size = SIZES[size_name]
+    catalogue = method_catalogue(size, read_tuning(size_name)[0])
+    unknown = [k for k in keys if k not in catalogue and k not in ("all-workers", "sequential")]
+    if unknown or not keys:
+        raise SystemExit(f"--rerun takes row keys among {', '.join(['all-workers', 'sequential', *catalogue])}; got {keys or 'none'}")
+    started = time.perf_counter()
+    with tempfile.TemporaryDirectory() as tmp:
+        done = run_pool([(k, 0, None) for k in keys], size_name, tmp, jobs, threads)
+        extra = run_pool([(k, s, None if k not in catalogue or catalogue[k].asynchronous else "in-process")
+                          for s in range(1, size.seeds) for k in keys if k in raw["repeated"]], size_name, tmp, jobs, threads)
+    raw["done"] = [r for r in raw["done"] if r["key"] not in keys or r.get("calibration")] + done
+    raw["extra"] = [r for r in raw["extra"] if r["key"] not in keys] + extra
+    raw["federated"] = [k for k in catalogue if k in raw["federated"] or k in keys]
+    raw.setdefault("remeasured", []).append({"rows": keys, "date": time.strftime("%Y-%m-%d"),
+                                             "wall_s": time.perf_counter() - started})
+    path.write_text(json.dumps(raw))
     return report(raw, out)
 
 
@@ -961,7 +1001,7 @@ def report(raw: dict[str, Any], out: Path) -> dict[str, Any]:
     project(rows, params, n, link)
     goals = goal_list(rows, size)
     front = pareto_front(rows)
-    table = markdown(rows, size_name, size, link, goals, front, raw["tuning"])
+    table = markdown(rows, size_name, size, link, goals, front, raw["tuning"], raw.get("remeasured", []))
     suffix = "" if size_name == "full" else f"-{size_name}"
     out.mkdir(parents=True, exist_ok=True)
     result = {"setting": {"size": size_name, **asdict(size), "datacenters": list(DATACENTERS), "link": asdict(link),
@@ -970,7 +1010,8 @@ def report(raw: dict[str, Any], out: Path) -> dict[str, Any]:
                           "tuned": raw["tuned"]},
               "machine": f"{platform.machine()}, {os.cpu_count()} cores, torch {torch.__version__}",
               "date": time.strftime("%Y-%m-%d"), "rows": rows, "goals": goals, "pareto_front": front,
-              "calibration": calibration_of(rows), "wall_s": raw["measure_wall_s"], "table_markdown": table}
+              "calibration": calibration_of(rows), "wall_s": raw["measure_wall_s"],
+              "remeasured": raw.get("remeasured", []), "table_markdown": table}
     (out / f"wan_benchmark{suffix}.md").write_text(table + "\n")
     chart(rows, front, out / f"wan_benchmark{suffix}.html", f"crossdc vs synchronous and Flower on a {link.describe()} link")
     write_results(out / f"wan_benchmark{suffix}.json", result, table)
@@ -994,11 +1035,16 @@ def main() -> None:
     parser.add_argument("--sync-dp-only", action="store_true",
                         help="only the sync-dp row's measured stretch, against the cost model's figure "
                              "(writes wan_benchmark_sync_dp[-size].json)")
+    parser.add_argument("--rerun", nargs="+", metavar="ROW",
+                        help="measure only these rows again, in place of the last run's (wan_benchmark-raw[-size].json), "
+                             "and remake the report")
     parser.add_argument("--report-only", action="store_true",
                         help="run nothing: remake the report from the last run's wan_benchmark-raw[-size].json")
     args = parser.parse_args()
     if args.sync_dp_only:
         sync_dp_only(args.size, args.out)
+    elif args.rerun:
+        rerun(args.size, args.out, args.rerun, args.jobs, args.threads)
     elif args.report_only:
         report(json.loads(raw_path(args.size, args.out).read_text()), args.out)
     else:

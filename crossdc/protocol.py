@@ -45,10 +45,12 @@ COMPRESSED_KEY = "compressed"
 FLAT = "flat"
 PAYLOAD = "payload"
 #: config keys and record of a train message whose global model comes through `downlink_codecs`
-#: (crossdc.compression.downlink): "full" or "delta", the reference version a delta applies to, the version after it
+#: (crossdc.compression.downlink): "full", "delta" or "initial", the reference version a delta applies to, the version
+#: after it, and ("initial") the digest of the run's initial weights that the datacenter builds itself
 DOWNLINK = "downlink"
 DOWNLINK_BASE = "downlink-base"
 DOWNLINK_VERSION = "downlink-version"
+DOWNLINK_DIGEST = "downlink-digest"
 DOWNLINK_KEY = "downlink"
 #: the record names the protocol itself uses: no strategy tensor group may take one (nor a name that is some
 #: group's layout record, ``<group>-layout``, see :func:`layout_key`)
@@ -655,7 +657,8 @@ def extra_groups(content: RecordDict) -> dict[str, dict[str, np.ndarray]]:
 
 def global_model(content: RecordDict) -> dict[str, Any]:
     """The request entries that carry the round's global model: ``weights`` (dense), or with downlink compression
-    ``downlink`` (the full reference or a compressed delta for the trainer to apply to its stored reference)."""
+    ``downlink`` (the full reference, a compressed delta for the trainer to apply to its stored reference, or the
+    digest of the run's initial weights, which the trainer builds itself)."""
     config = content.config_records[CONFIG_KEY]
     kind = config.get(DOWNLINK)
     if kind is None:
@@ -663,6 +666,8 @@ def global_model(content: RecordDict) -> dict[str, Any]:
     message: dict[str, Any] = {"kind": str(kind), "version": config_int(config, DOWNLINK_VERSION)}
     if kind == "delta":
         message.update(base=config_int(config, DOWNLINK_BASE), payload=compressed_payload(content, DOWNLINK_KEY))
+    elif kind == "initial":
+        message["digest"] = str(config.get(DOWNLINK_DIGEST, ""))
     else:
         message["weights"] = decode_tensors(content)
     return {"downlink": message}

@@ -76,12 +76,12 @@ def test_int8_final_loss_within_2_percent_of_uncompressed(runs: dict[str, dict])
 
 
 @pytest.mark.timeout(900)
-def test_downlink_int8_sends_deltas_after_round_one_and_trains_as_well(runs: dict[str, dict]) -> None:
+def test_downlink_int8_sends_a_digest_then_deltas_and_trains_as_well(runs: dict[str, dict]) -> None:
     logged = runs["downlink int8"]
     assert logged["run"]["status"] == "finished" and all(r["status"] == "ok" for r in logged["dc_rounds"])
     dense = [r["bytes_down"] for r in runs["none"]["rounds"]]
     down = [r["bytes_down"] for r in logged["rounds"]]
-    assert abs(down[0] - dense[0]) / dense[0] < 0.01  # round 1: the full model
+    assert down[0] < dense[0] / 100  # round 1: the initial weights' digest (each trainer builds them from the seed)
     assert all(d < dense_bytes / 3.5 for d, dense_bytes in zip(down[1:], dense[1:], strict=False)), (down, dense)
     dense_loss, loss = runs["none"]["rounds"][-1]["val_loss"], logged["rounds"][-1]["val_loss"]
     assert abs(loss - dense_loss) / dense_loss <= 0.02, (loss, dense_loss)

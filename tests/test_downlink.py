@@ -9,8 +9,8 @@ import pytest
 from flwr.app import ConfigRecord, RecordDict
 
 from crossdc.clients.state_store import DatacenterStateStore
-from crossdc.compression.downlink import DownlinkOutOfSync, DownlinkSender, receive
-from crossdc.protocol import CONFIG_KEY, global_model
+from crossdc.compression.downlink import DownlinkOutOfSync, DownlinkSender, receive, weights_digest
+from crossdc.protocol import CONFIG_KEY, global_model, payload_bytes
 
 SHAPES = {"w": (40, 30), "b": (30,)}
 
@@ -20,12 +20,42 @@ def _weights(seed: int) -> dict[str, np.ndarray]:
     return {k: rng.standard_normal(s).astype(np.float32) for k, s in SHAPES.items()}
 
 
-def _deliver(sender: DownlinkSender, datacenter: str, store: DatacenterStateStore, server_round: int) -> tuple[str, dict]:
-    """What the ClientApp and the trainer do with the round's message for `datacenter`."""
+def _deliver(sender: DownlinkSender, datacenter: str, store: DatacenterStateStore, server_round: int,
+             initial: dict[str, np.ndarray] | None = None) -> tuple[str, dict]:
+    """What the ClientApp and the trainer do with the round's message for `datacenter` (whose trainer builds the
+    run's initial weights as `initial`)."""
     records, cfg = sender.message_for(datacenter)
     content = RecordDict({**records, CONFIG_KEY: ConfigRecord(cfg)})
     request = global_model(content)["downlink"]
-    return request["kind"], receive(request, store, server_round)
+    return request["kind"], receive(request, store, server_round, None if initial is None else lambda: initial)
+
+
+def test_round_one_sends_the_initial_weights_digest_and_a_datacenter_that_built_others_gets_them_in_full(
+        tmp_path: Path) -> None:
+    initial = _weights(0)
+    sender = DownlinkSender(["int8"], initial_digest=weights_digest(initial))
+    stores = {dc: DatacenterStateStore(tmp_path, "run", dc) for dc in ("a", "b")}
+    sender.prepare(initial, 1)
+    records, cfg = sender.message_for("a")
+    assert records == {} and payload_bytes(RecordDict({CONFIG_KEY: ConfigRecord(cfg)})) < 200  # no model: its digest
+    kind, reference = _deliver(sender, "a", stores["a"], 1, initial=initial)
+    assert kind == "initial" and all(np.array_equal(reference[k], initial[k]) for k in SHAPES)
+    sender.acknowledge("a")
+    other = _weights(7)  # b's trainer built other weights (another seed, another library): it refuses round 1
+    with pytest.raises(DownlinkOutOfSync, match="initial weights .* are not the coordinator's"):
+        _deliver(sender, "b", stores["b"], 1, initial=other)
+    with pytest.raises(DownlinkOutOfSync, match="cannot build them"):
+        _deliver(sender, "b", stores["b"], 1)
+    sender.prepare({k: v + 0.5 for k, v in initial.items()}, 2)
+    assert _deliver(sender, "a", stores["a"], 2, initial=initial)[0] == "delta"
+    kind, reference = _deliver(sender, "b", stores["b"], 2, initial=other)
+    assert kind == "full" and all(np.array_equal(reference[k], sender.reference[k]) for k in SHAPES)
+    # a run whose round 1 is not at the initial weights (resumed, warm-started) sends them in full
+    warm = DownlinkSender(["int8"], initial_digest=weights_digest(initial))
+    warm.prepare(_weights(1), 1)
+    assert _deliver(warm, "a", DatacenterStateStore(tmp_path, "warm", "a"), 1, initial=initial)[0] == "full"
+    assert weights_digest(initial) == weights_digest({k: initial[k].copy() for k in reversed(list(initial))})
+    assert weights_digest(initial) != weights_digest({**initial, "b": initial["b"] + np.float32(1e-7)})
 
 
 def test_references_stay_identical_and_a_missed_round_gets_the_full_model(tmp_path: Path) -> None:

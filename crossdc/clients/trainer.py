@@ -196,6 +196,10 @@ class DatacenterTrainer:
         self.attempt = attempt
         (self.store.directory / ATTEMPT_FILE).write_text(str(attempt))
 
+    def initial_weights(self) -> dict[str, np.ndarray]:
+        """The run's initial weights, built from its seed as the coordinator builds them."""
+        return model_weights(initial_model(self.config, self.trainer.workload))
+
     def worker_pids(self) -> list[int]:
         return [os.getpid(), *(w.pid for w in self.workers)]
 
@@ -362,7 +366,7 @@ class DatacenterTrainer:
         transport = GossipTransport(index, {names.index(dc): (str(host), int(port))
                                             for dc, (host, port) in addresses.items()},
                                     float(strategy.params["exchange_timeout_s"]))
-        weights = model_weights(initial_model(self.config, self.trainer.workload))  # every replica's start
+        weights = self.initial_weights()  # every replica's start
         replica = GossipReplica(strategy, self._replica_trainer(), index, weights, self.codec_seed)
         stored = self.store.load(GOSSIP_STATE_KEY)
         pending: list[RoundReport] = []
@@ -518,7 +522,8 @@ class DatacenterTrainer:
         pids = self.worker_pids()
         try:
             model = request.model
-            global_weights = receive(model["downlink"], self.store, server_round) if "downlink" in model else model["weights"]
+            global_weights = (receive(model["downlink"], self.store, server_round, self.initial_weights) if "downlink" in model
+                              else model["weights"])
         except (DownlinkOutOfSync, CodecError) as err:  # the server sends the full model next round
             return {"ok": False, "error": f"{self.datacenter}: {err}".splitlines()[0]}
 

@@ -35,7 +35,7 @@ import numpy as np
 import torch
 from flwr.app import ConfigRecord, RecordDict
 
-from crossdc.compression.downlink import DownlinkSender, FragmentDownlink
+from crossdc.compression.downlink import DownlinkSender, FragmentDownlink, weights_digest
 from crossdc.db.errors import DatabaseUnavailable
 from crossdc.db.records import DatacenterRoundRecord
 from crossdc.db.runlog import RunLog
@@ -137,7 +137,8 @@ class RoundSession:
             else {k: np.asarray(v, np.float32).copy() for k, v in initial_weights.items()})
         codecs = config.compression
         streaming = self.strategy.loop == "streaming"
-        self.downlink = (DownlinkSender(codecs.downlink_codecs, seed=config.run.seed)
+        self.downlink = (DownlinkSender(codecs.downlink_codecs, seed=config.run.seed,
+                                        initial_digest=weights_digest(model_weights(self.model)))
                          if codecs.downlink_codecs and not streaming else None)
         #: a streaming run's downlink: its exchanges' results, compressed (the sync loops' is :attr:`downlink`)
         self.fragment_downlink = (FragmentDownlink(codecs.downlink_codecs, self.weights,

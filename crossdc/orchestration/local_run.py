@@ -51,6 +51,7 @@ from crossdc.db.runlog import RunLog
 from crossdc.deployment.superlink_control import ControlError, SuperLinkControl
 from crossdc.experiment.config import ExperimentConfig
 from crossdc.experiment.processes import (
+    ManagedProcess,
     ProcessGroup,
     ensure_port_free,
     flower_env,
@@ -161,6 +162,58 @@ def run_env(run_dir: RunDir) -> dict[str, str]:
     env[RUN_MARKER_ENV] = str(run_dir.path)
     env.update(OMP_NUM_THREADS="1", MKL_NUM_THREADS="1")
     return env
+
+
+def write_flower_app(run_dir: RunDir, superlink_address: str, root_certificates: Path | None = None,
+                     template: Path = FLOWER_APP_TEMPLATE) -> None:
+    """The Flower app folder (`template` as its pyproject.toml: crossdc's app by default) and the federation
+    (`crossdc` → `superlink_address`, TLS verified against `root_certificates` if given) that `flwr run` submits to."""
+    run_dir.flwr_home.mkdir(parents=True, exist_ok=True)
+    security = f'root-certificates = "{root_certificates.resolve()}"' if root_certificates is not None else "insecure = true"
+    (run_dir.flwr_home / "config.toml").write_text(
+        f'[superlink]\ndefault = "crossdc"\n\n[superlink.crossdc]\naddress = "{superlink_address}"\n{security}\n'
+    )
+    run_dir.app_dir.mkdir(parents=True, exist_ok=True)
+    shutil.copy(template, run_dir.app_dir / "pyproject.toml")
+
+
+def start_superlink(processes: ProcessGroup, run_dir: RunDir, host: str, port: int) -> ManagedProcess:
+    """Start Flower's SuperLink (plain HTTP) on `host`:`port` as one of `processes`, logging to the run's
+    superlink.log; RunFailed if it does not listen, or if something else already did."""
+    ensure_port_free(HOST, port)
+    ensure_port_free(host, port)
+    superlink = processes.start(
+        "superlink",
+        [venv_bin("flower-superlink"), "--insecure", "--disable-runtime-dependency-installation", "--host", host, "--port", str(port)],
+        run_dir.logs / "superlink.log", env=run_env(run_dir),
+    )
+    try:
+        wait_for_port(host, port, 60, alive=superlink)
+    except (RuntimeError, TimeoutError) as err:
+        raise RunFailed(f"the SuperLink did not start: {err}") from None
+    time.sleep(0.5)
+    if superlink.process.poll() is not None:  # something else answered on the port: never join another run's SuperLink
+        raise RunFailed(f"the SuperLink exited at start-up (code {superlink.process.returncode}); see {superlink.log_path}")
+    return superlink
+
+
+def submit_flower_app(run_dir: RunDir, run_config: dict[str, str | int]) -> int:
+    """`flwr run` the run's app folder (:func:`write_flower_app`) on its federation with `run_config` overriding the
+    app's config; Flower's run id. RunFailed, with Flower's last words, if it refuses the run."""
+    overrides = run_dir.path / "flower-run-config.toml"
+    overrides.write_text("".join(f"{key} = {json.dumps(value)}\n" for key, value in run_config.items()))
+    completed = subprocess.run(
+        [venv_bin("flwr"), "run", str(run_dir.app_dir), "crossdc", "--run-config", str(overrides), "--format", "json"],
+        env=run_env(run_dir), capture_output=True, text=True, timeout=120,
+    )
+    try:
+        answer = json.loads(completed.stdout)
+    except json.JSONDecodeError:
+        answer = {}
+    if completed.returncode != 0 or not answer.get("success", False) or "run-id" not in answer:
+        detail = (answer.get("error-message") or completed.stderr or completed.stdout).strip().splitlines()
+        raise RunFailed(f"Flower refused the run: {detail[-1] if detail else 'no output'}")
+    return int(answer["run-id"])
 
 
 class LocalRun:
@@ -368,36 +421,13 @@ class LocalRun:
         return self.submit()
 
     def write_flower_app(self, superlink_address: str, root_certificates: Path | None = None) -> None:
-        """The Flower app folder and the federation (`crossdc` → `superlink_address`, TLS verified against
-        `root_certificates` if given) that `flwr run` submits to."""
-        self.run_dir.flwr_home.mkdir(parents=True, exist_ok=True)
-        security = (f'root-certificates = "{root_certificates.resolve()}"' if root_certificates is not None
-                    else "insecure = true")
-        (self.run_dir.flwr_home / "config.toml").write_text(
-            f'[superlink]\ndefault = "crossdc"\n\n[superlink.crossdc]\naddress = "{superlink_address}"\n{security}\n'
-        )
-        self.run_dir.app_dir.mkdir(parents=True, exist_ok=True)
-        shutil.copy(FLOWER_APP_TEMPLATE, self.run_dir.app_dir / "pyproject.toml")
+        """The run's Flower app folder and federation (see :func:`write_flower_app`)."""
+        write_flower_app(self.run_dir, superlink_address, root_certificates)
 
     def start_flower(self) -> None:
-        env = run_env(self.run_dir)
         port = self.options.superlink_port
-        host = self.coordinator_host
-        self.write_flower_app(f"{host}:{port}")
-        ensure_port_free(HOST, port)
-        ensure_port_free(host, port)
-        superlink = self.processes.start(
-            "superlink",
-            [venv_bin("flower-superlink"), "--insecure", "--disable-runtime-dependency-installation", "--host", host, "--port", str(port)],
-            self.run_dir.logs / "superlink.log", env=env,
-        )
-        try:
-            wait_for_port(host, port, 60, alive=superlink)
-        except (RuntimeError, TimeoutError) as err:
-            raise RunFailed(f"the SuperLink did not start: {err}") from None
-        time.sleep(0.5)
-        if superlink.process.poll() is not None:  # something else answered on the port: never join another run's SuperLink
-            raise RunFailed(f"the SuperLink exited at start-up (code {superlink.process.returncode}); see {superlink.log_path}")
+        self.write_flower_app(f"{self.coordinator_host}:{port}")
+        start_superlink(self.processes, self.run_dir, self.coordinator_host, port)
         for index, dc in enumerate(self.config.datacenters):
             name = dc.name
             if self.network is None:  # each datacenter reaches the SuperLink through its own relay: emulated and measured
@@ -407,20 +437,7 @@ class LocalRun:
 
     def submit(self) -> int:
         """Submit the app to the SuperLink; returns Flower's run id."""
-        overrides = self.run_dir.path / "flower-run-config.toml"
-        overrides.write_text(f'{protocol.RUN_DIR} = "{self.run_dir.path}"\n')
-        completed = subprocess.run(
-            [venv_bin("flwr"), "run", str(self.run_dir.app_dir), "crossdc", "--run-config", str(overrides), "--format", "json"],
-            env=run_env(self.run_dir), capture_output=True, text=True, timeout=120,
-        )
-        try:
-            answer = json.loads(completed.stdout)
-        except json.JSONDecodeError:
-            answer = {}
-        if completed.returncode != 0 or not answer.get("success", False) or "run-id" not in answer:
-            detail = (answer.get("error-message") or completed.stderr or completed.stdout).strip().splitlines()
-            raise RunFailed(f"Flower refused the run: {detail[-1] if detail else 'no output'}")
-        return int(answer["run-id"])
+        return submit_flower_app(self.run_dir, {protocol.RUN_DIR: str(self.run_dir.path)})
 
     # ------------------------------------------------------------ monitoring
     def flower_status(self, control: SuperLinkControl, flower_run_id: int) -> tuple[str, str]:

@@ -32,6 +32,7 @@ import math
 import time
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
+from functools import partial
 from pathlib import Path
 from typing import Any
 
@@ -44,7 +45,7 @@ from crossdc.clients.local_training import LocalTrainer
 from crossdc.clients.state_store import DatacenterStateStore
 from crossdc.clients.streaming_replica import SentUpdate, StreamingReplica, sent_answer
 from crossdc.compression.downlink import receive
-from crossdc.experiment.builders import datacenter_seed
+from crossdc.experiment.builders import datacenter_seed, initial_model
 from crossdc.experiment.config import (
     CompressionSection,
     DatacenterSection,
@@ -62,7 +63,7 @@ from crossdc.strategies.fragments import SEND
 from crossdc.strategies.gossip import Gossip
 from crossdc.strategies.mixing import consensus_distances
 from crossdc.strategies.streaming_diloco import StreamingDiLoCo
-from crossdc.workloads import Workload
+from crossdc.workloads import Workload, model_weights
 
 
 @dataclass
@@ -153,6 +154,10 @@ class InProcessFederation:
     def weights(self) -> dict[str, np.ndarray]:
         return self.session.weights
 
+    def initial_weights(self, datacenter: str) -> dict[str, np.ndarray]:
+        """The run's initial weights as `datacenter`'s trainer builds them from the run's seed."""
+        return model_weights(initial_model(self.config, self.trainers[datacenter].workload))
+
     def run_round(self, participants: Sequence[str] | None = None, *,
                   cut: Sequence[tuple[str, str]] = ()) -> RoundResult:
         """One round: every datacenter in `participants` (default: all) trains; the strategy aggregates the accepted.
@@ -180,8 +185,9 @@ class InProcessFederation:
             started = time.perf_counter()
             request = TrainRequest.from_message(content)  # what the ClientApp hands the trainer
             model = request.model
-            start_from = (receive(model["downlink"], self.stores[dc], server_round) if "downlink" in model
-                          else model["weights"])
+            start_from = (receive(model["downlink"], self.stores[dc], server_round,
+                                  partial(self.initial_weights, dc))
+                          if "downlink" in model else model["weights"])
             answer = run_local_round(self.strategy, self.trainers[dc], self.stores[dc], dc, server_round, tau,
                                      start_from, request.received,
                                      codecs=self.config.compression.codecs, codec_seed=self.seeds[dc])
