@@ -64,7 +64,7 @@ import platform
 import statistics
 import tempfile
 import time
-from concurrent.futures import ProcessPoolExecutor
+from concurrent.futures import ProcessPoolExecutor, ThreadPoolExecutor
 from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from typing import Any
@@ -131,7 +131,7 @@ class Size:
     deployed: tuple[str, ...] = DEPLOYED_FULL
     #: seeds of the two best crossdc rows and of the all-workers baseline (the other rows: seed 0)
     seeds: int = 3
-    #: deployed rows run alone, after the others (they time the WAN); False: beside them (a smoke test's size)
+    #: deployed rows and the sync-dp stretch run alone (they time the WAN); False: beside the others (a smoke test)
     deployed_alone: bool = True
 
 
@@ -141,7 +141,7 @@ SIZES = {
     #: the budget of the WAN benchmark until 2026-12-04 (16 rounds at τ = 50), kept by the benchmarks that studied it
     "medium": Size(steps=800, tau=50, tau_warmup_start=10, tau_warmup_rounds=4, dgc_warmup_rounds=100,
                    eval_every_steps=50),
-    "tiny": Size(steps=4, tau=2, tau_warmup_start=2, tau_warmup_rounds=0, dgc_warmup_rounds=1, eval_every_steps=2,
+    "tiny": Size(steps=2, tau=2, tau_warmup_start=2, tau_warmup_rounds=0, dgc_warmup_rounds=1, eval_every_steps=2,
                  sync_dp_rounds=2, sync_dp_tau=2, deployed=("diloco",), seeds=2, deployed_alone=False),
 }
 
@@ -925,14 +925,23 @@ def run(size_name: str, out: Path, only: list[str] | None = None, jobs: int = 2,
     catalogue = method_catalogue(size, tuned)
     started = time.perf_counter()
     federated = [key for key in catalogue if not only or key in only]
-    # longest first (τ = 1 has the most rounds, Flower starts its engine), so that the pool ends together
-    order = sorted(federated, key=lambda k: (k != "fedavg-dgc", k != "flower-fedavg"))
-    work: list[tuple[str, int, str | None]] = [(k, 0, None) for k in ["sequential", "all-workers", *order]]
+    # longest first, so that the pool ends together: the deployed rows (where they share the pool), then the baselines
+    # and τ = 1 (the most rounds)
+    deployed = [k for k in federated if how_run(catalogue[k], size) == "deployed"]
+    rest = sorted((k for k in federated if k not in deployed),
+                  key=lambda k: (how_run(catalogue[k], size) != "simulation", k != "fedavg-dgc"))
+    work: list[tuple[str, int, str | None]] = [(k, 0, None) for k in [*deployed, "sequential", "all-workers", *rest]]
     work += [(k, 0, "in-process") for k in federated  # the calibration: crossdc's first deployed row, run in-process too
              if catalogue[k].engine == "crossdc" and how_run(catalogue[k], size) == "deployed"][:1]
     with tempfile.TemporaryDirectory() as tmp:
-        measured_sync = measure_sync_dp(size, link, Path(tmp) / "sync-dp")  # alone: it times the WAN, not the cores
-        done = run_pool(work, size_name, tmp, jobs, threads)
+        if size.deployed_alone:
+            measured_sync = measure_sync_dp(size, link, Path(tmp) / "sync-dp")  # alone: it times the WAN, not the cores
+            done = run_pool(work, size_name, tmp, jobs, threads)
+        else:  # beside the rows, as the size's deployed rows are (a smoke test's timings mean nothing)
+            with ThreadPoolExecutor(max_workers=1) as aside:
+                pending = aside.submit(measure_sync_dp, size, link, Path(tmp) / "sync-dp")
+                done = run_pool(work, size_name, tmp, jobs, threads)
+                measured_sync = pending.result()
         repeated = seed_rows(done) if size.seeds > 1 else []
         # the other seeds measure the final loss only: a deployed synchronous row's run in-process, which trains the
         # same weights (the calibration row shows it), so the seeds cost no extra deployments

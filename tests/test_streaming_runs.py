@@ -107,8 +107,12 @@ def test_a_deployed_streaming_run_ends_with_the_in_process_weights(streaming_run
         deployed = np.load(RunDir(run["result"].run_dir).final_weights)
         config = config_with(label, speed=1.0)  # the emulated pace changes the time a step takes, not its result
         fed = InProcessFederation.from_config(config, tmp_path / label)
-        for _ in range(config.run.rounds):
-            fed.run_round()
+        results = [fed.run_round() for _ in range(config.run.rounds)]
+        # the in-process driver counts the messages the deployed run sent, both ways: the same tensors; the config and
+        # metrics records differ by their strings and timings (a few hundred bytes a message; 4 messages a round)
+        for result, logged in zip(results, run["rounds"], strict=True):
+            assert sum(result.bytes_up.values()) == pytest.approx(logged["bytes_up"], abs=4 * 400), label
+            assert sum(result.bytes_down.values()) == pytest.approx(logged["bytes_down"], abs=4 * 400), label
         assert set(deployed.files) == set(fed.weights)
         for name, value in fed.weights.items():
             assert np.array_equal(deployed[name], value), name  # merges at their steps: the network changes nothing

@@ -37,6 +37,7 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
+from flwr.app import ConfigRecord, RecordDict
 
 from crossdc import protocol
 from crossdc.clients.gossip_replica import GossipReplica
@@ -57,7 +58,7 @@ from crossdc.experiment.config import (
     inner_steps_planned,
 )
 from crossdc.federation.session import RoundSession
-from crossdc.protocol import TrainRequest, payload_bytes, reply_content
+from crossdc.protocol import TrainRequest, encode_results, encode_tensors, payload_bytes, reply_content
 from crossdc.strategies.base import ClientUpdate, Strategy
 from crossdc.strategies.fragments import SEND
 from crossdc.strategies.gossip import Gossip
@@ -236,8 +237,19 @@ class InProcessFederation:
 
     def _streaming_exchange(self, exchange: int, names: Sequence[str], spacing: int, sent: Mapping[str, SentUpdate],
                             result: RoundResult) -> None:
-        """Exchange k: every datacenter's fragment update through the gate, the server step, what the merges need."""
+        """Exchange k: every datacenter's fragment update through the gate, the server step, what the merges need.
+        Each datacenter's bytes down are those of the message the deployed loop sends it with exchange k: the model at
+        exchange 1, else exchange k − 1's result, with the message's config."""
         session = self.session
+        server_round = self.server_round
+        results_of = [exchange - 1] if exchange - 1 in self.exchange_results else []
+        records = (encode_results({k: self.exchange_results[k] for k in results_of}) if exchange > 1
+                   else encode_tensors(self.weights))
+        for dc in self.datacenters:
+            cfg = protocol.stream_config(exchange=exchange, server_round=server_round, tau=result.tau, run_id=self.run_id,
+                                         run_dir="", datacenter=dc, results_of=results_of)
+            result.bytes_down[dc] = result.bytes_down.get(dc, 0) + payload_bytes(
+                RecordDict({**records, protocol.CONFIG_KEY: ConfigRecord(cfg)}))
         reference = {n: self.weights[n] for n in names}
         judged = {}
         for dc, update in sent.items():
