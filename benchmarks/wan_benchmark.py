@@ -437,19 +437,19 @@ def run_single_datacenter(size: Size, kind: str, root: Path, inner: dict[str, An
 # ----------------------------------------------------------------------------- time and bytes
 
 
-def link_seconds(bytes_down: int, bytes_up: int, tensors: int, records: int, link: LinkSpec) -> float:
+def link_seconds(bytes_down: int, bytes_up: int, tensors: int, link: LinkSpec) -> float:
     """One datacenter's link time for a round: its message pair as the cost model moves it over `link`."""
-    return link_message_pair_time(bytes_down, bytes_up, link, tensors, records)
+    return link_message_pair_time(bytes_down, bytes_up, link, tensors, CROSSDC_RECORDS_PER_MESSAGE)
 
 
-def timeline(rounds: list[dict[str, Any]], link: LinkSpec, tensors: int, records: int = CROSSDC_RECORDS_PER_MESSAGE) -> dict[str, Any]:
+def timeline(rounds: list[dict[str, Any]], link: LinkSpec, tensors: int) -> dict[str, Any]:
     """Emulated wall time of an in-process run, round by round (see the module docstring), and its totals. A
     datacenter idles for the rest of each round after its own compute."""
     n = len(rounds[0]["compute_s"]) if rounds else len(DATACENTERS)
     wall = comm = overhead = 0.0
     compute_each, idle_each = [0.0] * n, [0.0] * n
     for row in rounds:
-        links = [link_seconds(d, u, tensors, records, link) for d, u in zip(row["bytes_down"], row["bytes_up"], strict=False)]
+        links = [link_seconds(d, u, tensors, link) for d, u in zip(row["bytes_down"], row["bytes_up"], strict=False)]
         busy = [compute + on_link for compute, on_link in zip(row["compute_s"], links, strict=False)]
         slowest = max(range(len(busy)), key=busy.__getitem__)
         round_wall = busy[slowest] + row["overhead_s"]
@@ -855,7 +855,7 @@ def _task(key: str, size_name: str, root: str, threads: int, seed: int, engine: 
         calibration = engine == "in-process" and how_run(method, size) == "deployed" and seed == 0
         row = {"key": f"{key}-inprocess" if calibration else key,
                "label": method.label + (" [in-process calibration]" if calibration else ""),
-               "time_from": TIME_FROM["calibration" if calibration else method.engine if method.engine == "flower" else mode],
+               "time_from": TIME_FROM["calibration" if calibration else "flower" if method.engine == "flower" else mode],
                "how_run": mode, "loop": loop,
                "calibration": calibration, "seed": seed, "config": doc, "per_round": per_round, "failed": failed, **measured}
     row["benchmark_wall_s"] = time.perf_counter() - started
@@ -911,6 +911,14 @@ def run_pool(work: list[tuple[str, int, str | None]], size_name: str, root: str,
     return done
 
 
+def seed_work(keys: list[str], size: Size, catalogue: dict[str, Method]) -> list[tuple[str, int, str | None]]:
+    """The runs of the seeds after the first for the rows `keys`. They measure the final loss only: a deployed
+    synchronous row's run in-process, which trains the same weights (the calibration row shows it), so the seeds cost
+    no extra deployments."""
+    return [(k, s, None if k not in catalogue or catalogue[k].asynchronous else "in-process")
+            for s in range(1, size.seeds) for k in keys]
+
+
 def raw_path(size_name: str, out: Path) -> Path:
     """Where a run keeps what it measured before the report is made (the report can be remade from it)."""
     return out / ("wan_benchmark-raw.json" if size_name == "full" else f"wan_benchmark-raw-{size_name}.json")
@@ -943,10 +951,7 @@ def run(size_name: str, out: Path, only: list[str] | None = None, jobs: int = 2,
                 done = run_pool(work, size_name, tmp, jobs, threads)
                 measured_sync = pending.result()
         repeated = seed_rows(done) if size.seeds > 1 else []
-        # the other seeds measure the final loss only: a deployed synchronous row's run in-process, which trains the
-        # same weights (the calibration row shows it), so the seeds cost no extra deployments
-        extra = run_pool([(k, s, None if k not in catalogue or catalogue[k].asynchronous else "in-process")
-                          for s in range(1, size.seeds) for k in repeated], size_name, tmp, jobs, threads)
+        extra = run_pool(seed_work(repeated, size, catalogue), size_name, tmp, jobs, threads)
     measured_sync.pop("run_summary", None)
     raw = {"size": size_name, "federated": federated, "tuned": tuned, "tuning": tuning, "jobs": jobs, "threads": threads,
            "sync_dp": measured_sync, "done": done, "repeated": repeated, "extra": extra,
@@ -974,8 +979,7 @@ def rerun(size_name: str, out: Path, keys: list[str], jobs: int = 2, threads: in
     started = time.perf_counter()
     with tempfile.TemporaryDirectory() as tmp:
         done = run_pool([(k, 0, None) for k in keys], size_name, tmp, jobs, threads)
-        extra = run_pool([(k, s, None if k not in catalogue or catalogue[k].asynchronous else "in-process")
-                          for s in range(1, size.seeds) for k in keys if k in raw["repeated"]], size_name, tmp, jobs, threads)
+        extra = run_pool(seed_work([k for k in keys if k in raw["repeated"]], size, catalogue), size_name, tmp, jobs, threads)
     raw["done"] = [r for r in raw["done"] if r["key"] not in keys or r.get("calibration")] + done
     raw["extra"] = [r for r in raw["extra"] if r["key"] not in keys] + extra
     raw["federated"] = [k for k in catalogue if k in raw["federated"] or k in keys]

@@ -170,17 +170,20 @@ def main(grid: Grid, context: Context) -> None:
 
 def link_seconds_per_round(rows: list[dict[str, Any]], run_dir: RunDir, datacenters: list[str]) -> None:
     """Add to every row of :func:`fedavg_rounds` what each datacenter's link carried for the round's messages (the
-    delay line's ledger between the row's started_at and ended_at): comm_s (seconds in flight), link_bytes_up /
-    link_bytes_down (framing included), and idle_s (the round's wall time less the datacenter's compute)."""
-    from crossdc.wan.ledger import LedgerReader, bytes_by_direction, payload_transfers, time_in_flight
+    delay line's ledger between the row's started_at and ended_at, measured as crossdc's run log measures it):
+    comm_s (seconds in flight), link_bytes_up / link_bytes_down (framing included), and idle_s (the round's wall
+    time less the datacenter's compute)."""
+    from crossdc.federation.session import link_measurements
+    from crossdc.orchestration.local_run import EMULATOR_NAMESPACES
+    from crossdc.wan.ledger import LedgerReader
 
     readers = {name: LedgerReader(run_dir.link_ledger(name)) for name in datacenters}
     for row in rows:
-        moved = {name: payload_transfers(readers[name].window(row["started_at"], row["ended_at"])) for name in datacenters}
-        row["comm_s"] = [time_in_flight(moved[name]) for name in datacenters]
-        link_bytes = [bytes_by_direction(moved[name]) for name in datacenters]
-        row["link_bytes_up"] = [b["up"] for b in link_bytes]
-        row["link_bytes_down"] = [b["down"] for b in link_bytes]
+        links = [link_measurements(readers[name], row["started_at"], row["ended_at"], EMULATOR_NAMESPACES)
+                 for name in datacenters]
+        row["comm_s"] = [link["comm_s"] for link in links]
+        row["link_bytes_up"] = [link["link_bytes_up"] for link in links]
+        row["link_bytes_down"] = [link["link_bytes_down"] for link in links]
         row["idle_s"] = [max(0.0, row["round_wall_s"] - c) for c in row["compute_s"]]
 
 
