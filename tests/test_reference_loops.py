@@ -130,3 +130,20 @@ def test_crossdc_gives_the_plain_loops_weights_round_by_round(strategy: str, par
     assert max(float(np.abs(expected[-1][n] - first[n]).max()) for n in first) > 200 * ATOL
     other = reference_rounds("diloco" if strategy == "fedavg" else "fedavg")[-1]
     assert max(float(np.abs(expected[-1][n] - other[n]).max()) for n in other) > 100 * ATOL
+
+
+def test_the_initial_weights_leave_the_callers_random_state_alone() -> None:
+    """A trainer checks the initial weights mid-run (the downlink's round-1 digest): that must not reseed the random
+    draws its training goes on with, and the weights are the initial model's."""
+    from crossdc.experiment.builders import initial_weights
+    from crossdc.workloads import model_weights
+
+    config = parse_config(config_doc("fedavg", {}))
+    workload = build_workload(config)
+    torch.manual_seed(1234)
+    expected_next = torch.rand(4)
+    torch.manual_seed(1234)
+    weights = initial_weights(config, workload)
+    torch.testing.assert_close(torch.rand(4), expected_next)
+    built = model_weights(initial_model(config, workload))
+    assert list(weights) == list(built) and all(np.array_equal(weights[k], built[k]) for k in built)

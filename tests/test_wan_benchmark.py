@@ -1,5 +1,6 @@
 """The WAN benchmark's harness (benchmarks/wan_benchmark.py): its pure accounting on exact cases, and every row at
-the tiny size end to end (real baselines, Flower's own FedAvg in Flower's simulation engine, crossdc in-process)."""
+the tiny size end to end (real baselines; Flower's own FedAvg and crossdc's DiLoCo on the Deployment Engine over the
+namespace emulator, the asynchronous row in Flower's simulation engine, the rest in-process)."""
 
 from __future__ import annotations
 

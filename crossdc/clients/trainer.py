@@ -56,7 +56,7 @@ from crossdc.compression.downlink import DownlinkOutOfSync, receive
 from crossdc.compression.uplink import decode_arrays
 from crossdc.compression.wire import CodecError
 from crossdc.deployment.heartbeat import BEATS_PER_TIMEOUT, HeartbeatSender, Target
-from crossdc.experiment.builders import datacenter_seed, initial_model
+from crossdc.experiment.builders import datacenter_seed, initial_model, initial_weights
 from crossdc.experiment.config import ExperimentConfig, inner_steps_planned, parse_config
 from crossdc.experiment.processes import die_with_parent
 from crossdc.experiment.rundir import (
@@ -72,7 +72,6 @@ from crossdc.strategies.base import Strategy, StrategyError
 from crossdc.strategies.gossip import Gossip
 from crossdc.strategies.pipeline import Pipeline, stage_blocks
 from crossdc.strategies.streaming_diloco import StreamingDiLoCo
-from crossdc.workloads import model_weights
 from crossdc.workloads.stages import model_blocks
 
 if TYPE_CHECKING:  # a pipeline stage imports torch.distributed.pipelining (~2 s): only a stage's trainer does
@@ -198,7 +197,7 @@ class DatacenterTrainer:
 
     def initial_weights(self) -> dict[str, np.ndarray]:
         """The run's initial weights, built from its seed as the coordinator builds them."""
-        return model_weights(initial_model(self.config, self.trainer.workload))
+        return initial_weights(self.config, self.trainer.workload)
 
     def worker_pids(self) -> list[int]:
         return [os.getpid(), *(w.pid for w in self.workers)]

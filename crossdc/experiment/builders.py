@@ -2,12 +2,13 @@
 
 from __future__ import annotations
 
+import numpy as np
 import torch
 
 from crossdc.experiment.config import ExperimentConfig
 from crossdc.strategies.base import RunInfo, Strategy, StrategyError
 from crossdc.strategies.registry import strategy_class
-from crossdc.workloads import Workload, WorkloadSpec, load_workload
+from crossdc.workloads import Workload, WorkloadSpec, load_workload, model_weights
 
 
 def workload_spec(config: ExperimentConfig) -> WorkloadSpec:
@@ -73,6 +74,13 @@ def initial_model(config: ExperimentConfig, workload: Workload) -> torch.nn.Modu
     """The global model at round 0: the same weights for every strategy given the seed."""
     torch.manual_seed(config.run.seed)
     return workload.make_model()
+
+
+def initial_weights(config: ExperimentConfig, workload: Workload) -> dict[str, np.ndarray]:
+    """`initial_model`'s weights, built without touching the caller's random state: a trainer that checks them in
+    mid-run (the downlink's round-1 digest) draws the same dropout and data order as one that does not."""
+    with torch.random.fork_rng(devices=[]):
+        return model_weights(initial_model(config, workload))
 
 
 def datacenter_seed(config: ExperimentConfig, datacenter: str) -> int:

@@ -46,7 +46,7 @@ from crossdc.clients.local_training import LocalTrainer
 from crossdc.clients.state_store import DatacenterStateStore
 from crossdc.clients.streaming_replica import SentUpdate, StreamingReplica, sent_answer
 from crossdc.compression.downlink import receive
-from crossdc.experiment.builders import datacenter_seed, initial_model
+from crossdc.experiment.builders import datacenter_seed, initial_weights
 from crossdc.experiment.config import (
     CompressionSection,
     DatacenterSection,
@@ -64,7 +64,7 @@ from crossdc.strategies.fragments import SEND
 from crossdc.strategies.gossip import Gossip
 from crossdc.strategies.mixing import consensus_distances
 from crossdc.strategies.streaming_diloco import StreamingDiLoCo
-from crossdc.workloads import Workload, model_weights
+from crossdc.workloads import Workload
 
 
 @dataclass
@@ -157,7 +157,7 @@ class InProcessFederation:
 
     def initial_weights(self, datacenter: str) -> dict[str, np.ndarray]:
         """The run's initial weights as `datacenter`'s trainer builds them from the run's seed."""
-        return model_weights(initial_model(self.config, self.trainers[datacenter].workload))
+        return initial_weights(self.config, self.trainers[datacenter].workload)
 
     def run_round(self, participants: Sequence[str] | None = None, *,
                   cut: Sequence[tuple[str, str]] = ()) -> RoundResult:
