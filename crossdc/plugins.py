@@ -13,12 +13,24 @@ a subclass of the registry's base, either raises (``broken="raise"``) or is left
 
 from __future__ import annotations
 
+import sys
 import warnings
 from collections.abc import Callable
-from importlib.metadata import entry_points
+from importlib.metadata import EntryPoint, entry_points
 from typing import Generic, TypeVar, cast
 
 T = TypeVar("T", bound=type)
+
+_ENTRY_POINTS: dict[tuple[str, tuple[str, ...]], tuple[EntryPoint, ...]] = {}
+
+
+def group_entry_points(group: str) -> tuple[EntryPoint, ...]:
+    """The entry points of `group`, read once per process and ``sys.path`` (reading them scans every installed
+    distribution: tens of milliseconds, which a codec pipeline built every round would pay each time)."""
+    key = (group, tuple(sys.path))
+    if key not in _ENTRY_POINTS:
+        _ENTRY_POINTS[key] = tuple(entry_points(group=group))
+    return _ENTRY_POINTS[key]
 
 
 class PluginRegistry(Generic[T]):
@@ -34,7 +46,7 @@ class PluginRegistry(Generic[T]):
         def decorate(cls: T) -> T:
             if not (isinstance(cls, type) and issubclass(cls, self.base)):
                 raise self.error(f"registering {self.kind} '{name}' needs a {self.base.__name__} subclass, got {cls!r}")
-            taken = {ep.name for ep in entry_points(group=self.group)}
+            taken = {ep.name for ep in group_entry_points(self.group)}
             if (name in taken or name in self._decorated) and self._decorated.get(name) is not cls:
                 raise self.error(f"{self.kind} name '{name}' is already registered")
             setattr(cls, "name", name)  # noqa: B010 (T is any class; its name is the registry's)
@@ -49,7 +61,7 @@ class PluginRegistry(Generic[T]):
 
     def sources(self) -> dict[str, str]:
         """Name → where it comes from: ``module:Class`` of its entry point, or ``decorator:module.Class``."""
-        found = {ep.name: ep.value for ep in entry_points(group=self.group)}
+        found = {ep.name: ep.value for ep in group_entry_points(self.group)}
         found.update({name: f"decorator:{cls.__module__}.{cls.__qualname__}" for name, cls in self._decorated.items()})
         return found
 
@@ -63,7 +75,7 @@ class PluginRegistry(Generic[T]):
         """Name → class of every registered plug-in, sorted by name."""
         found: dict[str, T] = {}
         origin: dict[str, str] = {}
-        for ep in entry_points(group=self.group):
+        for ep in group_entry_points(self.group):
             if ep.name in found:
                 if origin[ep.name] != ep.value:  # not just the same distribution seen twice on sys.path
                     self._broken(f"{self.kind} '{ep.name}' is registered twice: {origin[ep.name]} and {ep.value}")

@@ -16,6 +16,8 @@ import torch
 VARINT = "varint"
 BITMAP = "bitmap"
 _MAX_VARINT_BYTES = 9  # enough for any non-negative int64 (9 × 7 = 63 bits)
+#: the least value that needs 2, 3, ... 9 bytes
+_VARINT_THRESHOLDS = torch.tensor([1 << (7 * group) for group in range(1, _MAX_VARINT_BYTES)], dtype=torch.int64)
 
 
 class IndexCodingError(ValueError):
@@ -24,10 +26,8 @@ class IndexCodingError(ValueError):
 
 def _varint_lengths(values: torch.Tensor) -> torch.Tensor:
     """Bytes each non-negative value needs as a varint (1 for 0..127, 2 for 128..16383, ...)."""
-    lengths = torch.ones_like(values)
-    for group in range(1, _MAX_VARINT_BYTES):
-        lengths += (values >= (1 << (7 * group))).to(values.dtype)
-    return lengths
+    thresholds = _VARINT_THRESHOLDS.to(values.device)
+    return (1 + torch.bucketize(values, thresholds, right=True)).to(values.dtype)
 
 
 def _gaps(positions: torch.Tensor) -> torch.Tensor:
