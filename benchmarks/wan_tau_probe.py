@@ -1,0 +1,98 @@
+"""The WAN benchmark's rows at other τ: does more frequent synchronisation close the loss gap to one datacenter?
+
+Setting and budget: the WAN benchmark's full size (benchmarks/wan_benchmark.py: 4 datacenters on the natural
+partition, the 117k-parameter char-transformer, 2,000 inner steps of batch 32 per datacenter, the inner recipe of
+every row) and its tuned settings (benchmarks/results/wan_tuning.json), with only τ changed: the rounds are those
+that spend the same 2,000 steps. Every run is in-process with one torch thread and seed 0; what is read is the final
+validation loss and the bytes each way (the serialised messages, as the benchmark counts them), not time.
+
+Rows (key, τ, settings over the tuned ones):
+- DiLoCo at τ = 10 and 25 with its tuned outer (learning rate, momentum);
+- crossdc FedAvg at τ = 10 (its τ warm-up starts at 10, so τ is 10 throughout);
+- SparseLoCo at the paper's density (chunked top-k 64 of 4,096, 2-bit values, outer lr 1) at τ = 10 and 25.
+The τ = 50 figures to compare with are the benchmark's and the tuning's own.
+
+Usage: python benchmarks/wan_tau_probe.py [--only KEY@TAU ...] [--jobs 2]
+Writes benchmarks/results/wan_tau_probe.json (rows not rerun with --only are kept) and prints the table.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import multiprocessing
+import tempfile
+import time
+from concurrent.futures import ProcessPoolExecutor
+from pathlib import Path
+from typing import Any
+
+import torch
+from results_file import merge_rows, write_results
+from wan_benchmark import RESULTS, SIZES, drive_crossdc, experiment, inner_recipe, method_catalogue, method_rounds, read_tuning
+
+OUT = RESULTS / "wan_tau_probe.json"
+#: SparseLoCo at the density its paper uses (1.6 %), over the tuned setting's 128
+PAPER_SPARSELOCO = {"sparseloco": {"chunk_k": 64, "outer_lr": 1.0}}
+#: (row key, τ, settings replacing the tuned ones: family → setting)
+ROWS: list[tuple[str, int, dict[str, dict[str, Any]]]] = [
+    ("diloco", 10, {}),
+    ("diloco", 25, {}),
+    ("fedavg-warmup", 10, {}),
+    ("sparseloco", 10, PAPER_SPARSELOCO),
+    ("sparseloco", 25, PAPER_SPARSELOCO),
+]
+
+
+def row_id(key: str, tau: int) -> str:
+    return f"{key}@{tau}"
+
+
+def run_row(key: str, tau: int, override: dict[str, dict[str, Any]]) -> dict[str, Any]:
+    """One row at τ `tau` over the full budget: its final validation loss, curve and bytes each way."""
+    torch.set_num_threads(1)
+    size = dataclasses.replace(SIZES["full"], tau=tau, tau_warmup_start=min(SIZES["full"].tau_warmup_start, tau))
+    tuned, _ = read_tuning("full")
+    for family, setting in override.items():
+        tuned[family] = {**tuned.get(family, {}), **setting}
+    method = method_catalogue(size, tuned)[key]
+    doc = experiment(method, size, method_rounds(method, size), inner_recipe(method.lr, size))
+    started = time.perf_counter()
+    with tempfile.TemporaryDirectory() as where:
+        rounds = drive_crossdc(doc, Path(where), size.eval_every_steps)
+    row = {"row": row_id(key, tau), "key": key, "tau": tau, "params": dict(method.params), "codecs": list(method.codecs),
+           "rounds": len(rounds), "val_loss": rounds[-1]["val_loss"],
+           "curve": [r["val_loss"] for r in rounds if r.get("val_loss") is not None],
+           "bytes_up": sum(sum(r["bytes_up"]) for r in rounds), "bytes_down": sum(sum(r["bytes_down"]) for r in rounds),
+           "run_s": time.perf_counter() - started}
+    print(f"  {row['row']:<20} val loss {row['val_loss']:.4f}  up {row['bytes_up']:>12,d}  ({row['run_s']:.0f}s)", flush=True)
+    return row
+
+
+def markdown(rows: list[dict[str, Any]]) -> str:
+    lines = ["| row | τ | settings | rounds | val loss | bytes up | bytes down |", "| --- | ---: | --- | ---: | ---: | ---: | ---: |"]
+    for r in sorted(rows, key=lambda r: (r["key"], r["tau"])):
+        settings = ", ".join([*(f"{k} {v:g}" for k, v in r["params"].items()), *r["codecs"]]) or "—"
+        lines.append(f"| {r['key']} | {r['tau']} | {settings} | {r['rounds']} | {r['val_loss']:.4f} | "
+                     f"{r['bytes_up']:,} | {r['bytes_down']:,} |")
+    return "\n".join(lines)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--only", nargs="*", choices=[row_id(k, t) for k, t, _ in ROWS], help="rows to (re)run")
+    parser.add_argument("--jobs", type=int, default=2)
+    parser.add_argument("--out", type=Path, default=OUT)
+    args = parser.parse_args()
+    chosen = [r for r in ROWS if not args.only or row_id(r[0], r[1]) in args.only]
+    started = time.perf_counter()
+    with ProcessPoolExecutor(max_workers=args.jobs, mp_context=multiprocessing.get_context("spawn")) as pool:
+        fresh = list(pool.map(run_row, *zip(*chosen, strict=True)))
+    rows = merge_rows(args.out, fresh, key=lambda r: r["row"])
+    table = markdown(rows)
+    write_results(args.out, {"date": time.strftime("%Y-%m-%d"), "rows": rows, "table_markdown": table,
+                             "wall_s": time.perf_counter() - started}, table)
+
+
+if __name__ == "__main__":
+    main()
