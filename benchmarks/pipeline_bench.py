@@ -505,7 +505,7 @@ def main() -> None:
     predict(done)
     met = goals(done)
     meta = {"machine": f"{platform.machine()}, {os.cpu_count()} cores",
-            "note": "shared: other test suites ran on the same 2 cores during the runs; S stages share them",
+            "note": "S stages share the machine's cores; what else ran shows in the load average",
             "workload": (f"shakespeare char-transformer {size.model_args}, batch {size.batch_size}, "
                          f"{MICROBATCHES} micro-batches, τ = {size.tau} steps a round, {size.rounds} rounds, "
                          "rounds after the first measured")}
