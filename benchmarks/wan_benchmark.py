@@ -285,11 +285,16 @@ def experiment(method: Method, size: Size, rounds: int, inner: dict[str, Any] | 
     }
 
 
+def budget_experiment(method: Method, size: Size, seed: int = 0) -> dict[str, Any]:
+    """A row's training config: the rounds that spend the budget and the inner recipe at the row's learning rate."""
+    return experiment(method, size, method_rounds(method, size), inner_recipe(method.lr, size), seed)
+
+
 def row_experiment(method: Method, size: Size, seed: int = 0) -> dict[str, Any]:
-    """A row's whole config: the budget's rounds, the inner recipe at the row's learning rate, evaluation every
-    Size.eval_every_steps local steps (a run's rounds), and the emulated links a local run puts its datacenters
-    behind (each datacenter's own, and every pair for the modes that connect datacenters)."""
-    doc = experiment(method, size, method_rounds(method, size), inner_recipe(method.lr, size), seed)
+    """A row's whole config: :func:`budget_experiment`, evaluation every Size.eval_every_steps local steps (a run's
+    rounds), and the emulated links a local run puts its datacenters behind (each datacenter's own, and every pair
+    for the modes that connect datacenters)."""
+    doc = budget_experiment(method, size, seed)
     if method.asynchronous:
         per_version = size.tau  # a version: K = 4 updates, one datacenter's τ steps each, i.e. τ per datacenter
     else:
@@ -437,11 +442,6 @@ def run_single_datacenter(size: Size, kind: str, root: Path, inner: dict[str, An
 # ----------------------------------------------------------------------------- time and bytes
 
 
-def link_seconds(bytes_down: int, bytes_up: int, tensors: int, link: LinkSpec) -> float:
-    """One datacenter's link time for a round: its message pair as the cost model moves it over `link`."""
-    return link_message_pair_time(bytes_down, bytes_up, link, tensors, CROSSDC_RECORDS_PER_MESSAGE)
-
-
 def timeline(rounds: list[dict[str, Any]], link: LinkSpec, tensors: int) -> dict[str, Any]:
     """Emulated wall time of an in-process run, round by round (see the module docstring), and its totals. A
     datacenter idles for the rest of each round after its own compute."""
@@ -449,7 +449,8 @@ def timeline(rounds: list[dict[str, Any]], link: LinkSpec, tensors: int) -> dict
     wall = comm = overhead = 0.0
     compute_each, idle_each = [0.0] * n, [0.0] * n
     for row in rounds:
-        links = [link_seconds(d, u, tensors, link) for d, u in zip(row["bytes_down"], row["bytes_up"], strict=False)]
+        links = [link_message_pair_time(d, u, link, tensors, CROSSDC_RECORDS_PER_MESSAGE)  # each datacenter's pair
+                 for d, u in zip(row["bytes_down"], row["bytes_up"], strict=False)]
         busy = [compute + on_link for compute, on_link in zip(row["compute_s"], links, strict=False)]
         slowest = max(range(len(busy)), key=busy.__getitem__)
         round_wall = busy[slowest] + row["overhead_s"]

@@ -29,7 +29,7 @@ from typing import Any
 
 import torch
 from results_file import merge_rows, write_results
-from wan_benchmark import RESULTS, SIZES, drive_crossdc, experiment, inner_recipe, method_catalogue, method_rounds, read_tuning
+from wan_benchmark import RESULTS, SIZES, budget_experiment, drive_crossdc, method_catalogue, read_tuning
 
 OUT = RESULTS / "wan_tau_probe.json"
 #: SparseLoCo at the density its paper uses (1.6 %), over the tuned setting's 128
@@ -56,7 +56,7 @@ def run_row(key: str, tau: int, override: dict[str, dict[str, Any]]) -> dict[str
     for family, setting in override.items():
         tuned[family] = {**tuned.get(family, {}), **setting}
     method = method_catalogue(size, tuned)[key]
-    doc = experiment(method, size, method_rounds(method, size), inner_recipe(method.lr, size))
+    doc = budget_experiment(method, size)
     started = time.perf_counter()
     with tempfile.TemporaryDirectory() as where:
         rounds = drive_crossdc(doc, Path(where), size.eval_every_steps)

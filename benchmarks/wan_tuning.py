@@ -38,11 +38,10 @@ from wan_benchmark import (
     ADAMW_LR,
     SIZES,
     RowFailed,
+    budget_experiment,
     drive_crossdc,
-    experiment,
     inner_recipe,
     method_catalogue,
-    method_rounds,
     run_single_datacenter,
     tuning_path,
 )
@@ -78,7 +77,7 @@ def run_setting(family: str, setting: dict[str, Any], size_name: str, root: str)
         loss = next(h["val_loss"] for h in reversed(history) if h.get("val_loss") is not None)
     else:
         method = method_catalogue(size, tuned={family: dict(setting)})[FAMILY_ROW[family]]
-        doc = experiment(method, size, method_rounds(method, size), inner_recipe(method.lr, size))
+        doc = budget_experiment(method, size)
         try:
             rounds = drive_crossdc(doc, where, size.eval_every_steps)
             loss = rounds[-1]["val_loss"]

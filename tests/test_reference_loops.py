@@ -25,9 +25,10 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from crossdc.experiment.builders import build_workload, initial_model
+from crossdc.experiment.builders import build_workload, initial_model, initial_weights
 from crossdc.experiment.config import parse_config
 from crossdc.testing.inprocess import InProcessFederation
+from crossdc.workloads import model_weights
 
 DATACENTERS = ("us-east", "eu-west", "ap-south")
 ROUNDS = 4
@@ -135,9 +136,6 @@ def test_crossdc_gives_the_plain_loops_weights_round_by_round(strategy: str, par
 def test_the_initial_weights_leave_the_callers_random_state_alone() -> None:
     """A trainer checks the initial weights mid-run (the downlink's round-1 digest): that must not reseed the random
     draws its training goes on with, and the weights are the initial model's."""
-    from crossdc.experiment.builders import initial_weights
-    from crossdc.workloads import model_weights
-
     config = parse_config(config_doc("fedavg", {}))
     workload = build_workload(config)
     torch.manual_seed(1234)
