@@ -15,13 +15,15 @@ Flower's and gloo's code, so every profile is held out):
 - ``gloo``: for each profile, gloo all-reduces (torch.distributed, what DistributedDataParallel runs) between two
   datacenters' namespaces over a datacenter-to-datacenter link of that profile, several sizes: the measured time
   per all-reduce (back to back, the steady state of synchronous data parallel) against
-  ``gloo_ring_allreduce_time`` (and the textbook ring's ``ring_allreduce_time``, for reference).
+  ``gloo_ring_allreduce_time`` (and the textbook ring's ``ring_allreduce_time``, for reference); ``--gloo-runs``
+  probes per profile, each on a fresh network, with the packets the hops' queues dropped in each.
 - ``ceiling``: one bulk TCP stream through an unshaped datacenter → datacenter path (two hops of the delay line) at
   MTU 65,000 and 1,500: the throughput the delay line sustains and the share of a core it uses.
 
     python benchmarks/wan_validation.py [--parts flower gloo ceiling] [--profiles continental transoceanic constrained]
 
-Writes benchmarks/results/wan_validation.json and prints the tables (medians). Needs root (network namespaces).
+Writes benchmarks/results/wan_validation.json (with, per part, the host it ran on: kernel, date and the TCP settings
+the namespaces inherit) and prints the tables (medians). Needs root (network namespaces).
 """
 
 from __future__ import annotations
@@ -165,30 +167,46 @@ GLOO_SIZES = (4096, 1024 * 1024, 8 * 1024 * 1024)
 PROBE = HERE / "allreduce_probe.py"
 
 
-def gloo_rows(profiles: list[str], repeats: int) -> list[dict[str, Any]]:
-    """gloo all-reduces between two namespaces over a mesh link of each profile, against the gloo ring model."""
+def gloo_probe(link: Any, repeats: int) -> tuple[dict[str, Any], int, int]:
+    """One probe on a fresh emulated network: (per size, the probe's seconds per all-reduce), and the packets the
+    link's tail-drop queues refused and carried over the whole probe (warm-ups and every size)."""
+    with tempfile.TemporaryDirectory() as tmp, EmulatedNetwork([("dc-a", None), ("dc-b", None)], [("dc-a", "dc-b", link)],
+                                                               Path(tmp)) as net:
+        master = f"{net.address('dc-a')}:29500"
+        sizes = ",".join(str(size) for size in GLOO_SIZES)
+        ranks = [subprocess.Popen([sys.executable, str(PROBE), str(rank), master, sizes, str(repeats)],
+                                  env={"GLOO_SOCKET_IFNAME": net.device(dc), "OMP_NUM_THREADS": "1", "PATH": "/usr/bin:/bin"},
+                                  preexec_fn=net.preexec(dc), stdout=subprocess.PIPE, text=True)
+                 for rank, dc in enumerate(("dc-a", "dc-b"))]
+        output = ranks[0].communicate(timeout=1800)[0]
+        ranks[1].wait(timeout=60)
+        hops = net.stats()["hops"]
+    return (json.loads(output.strip().splitlines()[-1]), sum(hop["dropped_queue"] for hop in hops.values()),
+            sum(hop["packets"] for hop in hops.values()))
+
+
+def gloo_rows(profiles: list[str], repeats: int, runs: int) -> list[dict[str, Any]]:
+    """gloo all-reduces between two namespaces over a mesh link of each profile, against the gloo ring model: `runs`
+    probes per profile, each on a fresh emulated network (TCP's losses at the hop's queue vary from one to the next);
+    the row's measurement is the median of the probes' medians, its min and max over every timed loop."""
     rows = []
     for profile in profiles:
         link = LINK_PROFILES[profile]
-        with tempfile.TemporaryDirectory() as tmp, EmulatedNetwork([("dc-a", None), ("dc-b", None)], [("dc-a", "dc-b", link)],
-                                                                   Path(tmp)) as net:
-            master = f"{net.address('dc-a')}:29500"
-            sizes = ",".join(str(size) for size in GLOO_SIZES)
-            ranks = [subprocess.Popen([sys.executable, str(PROBE), str(rank), master, sizes, str(repeats)],
-                                      env={"GLOO_SOCKET_IFNAME": net.device(dc), "OMP_NUM_THREADS": "1", "PATH": "/usr/bin:/bin"},
-                                      preexec_fn=net.preexec(dc), stdout=subprocess.PIPE, text=True)
-                     for rank, dc in enumerate(("dc-a", "dc-b"))]
-            output = ranks[0].communicate(timeout=1800)[0]
-            ranks[1].wait(timeout=60)
-        measured = json.loads(output.strip().splitlines()[-1])
+        probes = [gloo_probe(link, repeats) for _ in range(runs)]
         for size in GLOO_SIZES:
-            sample = measured[str(size)]
+            samples = [measured[str(size)] for measured, _, _ in probes]
+            median = statistics.median(sample["median_s"] for sample in samples)
             predicted = gloo_ring_allreduce_time(size, 2, link.bandwidth_mbps, link.rtt_ms)
             rows.append({"profile": profile, "bandwidth_mbps": link.bandwidth_mbps, "rtt_ms": link.rtt_ms, "bytes": size,
-                         "measured_s_median": sample["median_s"], "measured_s_min": sample["min_s"], "measured_s_max": sample["max_s"],
-                         "predicted_s": predicted, "error_rel": sample["median_s"] / predicted - 1,
-                         "textbook_ring_s": ring_allreduce_time(size, 2, link.bandwidth_mbps, link.rtt_ms)})
-            print(f"gloo {profile} {size} B: predicted {predicted:.3f}s, measured {sample['median_s']:.3f}s", flush=True)
+                         "measured_s_median": median, "measured_s_min": min(sample["min_s"] for sample in samples),
+                         "measured_s_max": max(sample["max_s"] for sample in samples),
+                         "run_medians_s": [sample["median_s"] for sample in samples],
+                         "predicted_s": predicted, "error_rel": median / predicted - 1,
+                         "run_errors_rel": [sample["median_s"] / predicted - 1 for sample in samples],
+                         "textbook_ring_s": ring_allreduce_time(size, 2, link.bandwidth_mbps, link.rtt_ms),
+                         "run_queue_drops": [drops for _, drops, _ in probes], "run_packets": [packets for _, _, packets in probes]})
+            print(f"gloo {profile} {size} B: predicted {predicted:.3f}s, measured {median:.3f}s "
+                  f"(runs: {', '.join(f'{run_median:.3f}' for run_median in rows[-1]['run_medians_s'])})", flush=True)
     return rows
 
 
@@ -234,23 +252,42 @@ def ceiling_rows(megabytes: int = 400) -> list[dict[str, Any]]:
     return rows
 
 
+HOST_SETTINGS = ("net.ipv4.tcp_congestion_control", "net.ipv4.tcp_rmem", "net.ipv4.tcp_wmem", "net.core.wmem_max",
+                 "net.ipv4.tcp_slow_start_after_idle")
+
+
+def host_facts() -> dict[str, Any]:
+    """The machine's kernel and the TCP settings every namespace inherits: TCP's windows and losses (not the
+    emulator) decide the cases the model leaves out, and these differ between machines."""
+    facts: dict[str, Any] = {"kernel": os.uname().release, "cores": os.cpu_count(), "date": time.strftime("%Y-%m-%d")}
+    for name in HOST_SETTINGS:
+        path = Path("/proc/sys") / name.replace(".", "/")
+        facts[name] = " ".join(path.read_text().split()) if path.exists() else None
+    return facts
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--parts", nargs="+", default=["ceiling", "gloo", "flower"], choices=["ceiling", "gloo", "flower"])
     parser.add_argument("--profiles", nargs="+", default=["continental", "transoceanic", "constrained"])
     parser.add_argument("--rounds", type=int, default=7)
     parser.add_argument("--repeats", type=int, default=3, help="gloo: timed loops per size, each of this many all-reduces")
+    parser.add_argument("--gloo-runs", type=int, default=3, help="gloo: probes per profile, each on a fresh network")
     parser.add_argument("--out", default=str(HERE / "results" / "wan_validation.json"))
     args = parser.parse_args()
     out = Path(args.out)
     result: dict[str, Any] = json.loads(out.read_text()) if out.exists() else {}  # the parts not run now are kept
     result.update({"note": "nothing fitted: every profile is held out", "machine_cores": os.cpu_count()})
+    result.setdefault("host", {})
     if "ceiling" in args.parts:
         result["ceiling"] = ceiling_rows()
+        result["host"]["ceiling"] = host_facts()
     if "gloo" in args.parts:
-        result["gloo"] = gloo_rows(args.profiles, args.repeats)
+        result["gloo"] = gloo_rows(args.profiles, args.repeats, args.gloo_runs)
+        result["host"]["gloo"] = host_facts()
     if "flower" in args.parts:
         result["request_calibration"], result["rows"] = flower_rows(args.profiles, args.rounds)
+        result["host"]["flower"] = host_facts()
     out.parent.mkdir(parents=True, exist_ok=True)
     Path(args.out).write_text(json.dumps(result, indent=1))
     print_tables(result)
@@ -264,8 +301,9 @@ def print_tables(result: dict[str, Any]) -> None:
         print(f"\n{'gloo all-reduce':<16}{'bytes':>10}{'predicted s':>13}{'measured s (min–max)':>24}{'error':>8}{'textbook ring s':>17}")
         for g in result["gloo"]:
             span = f"{g['measured_s_median']:.3f} ({g['measured_s_min']:.3f}–{g['measured_s_max']:.3f})"
+            runs = ", ".join(f"{100 * error:+.0f}%" for error in g.get("run_errors_rel", []))
             print(f"{g['profile']:<16}{g['bytes']:>10}{g['predicted_s']:>13.3f}{span:>24}{100 * g['error_rel']:>7.0f}%"
-                  f"{g['textbook_ring_s']:>17.3f}")
+                  f"{g['textbook_ring_s']:>17.3f}   runs: {runs}  queue drops: {g.get('run_queue_drops')}")
     rows = result.get("rows", [])
     if not rows:
         return
