@@ -9,7 +9,10 @@ validation loss and the bytes each way (the serialised messages, as the benchmar
 Rows (key, τ, settings over the tuned ones):
 - DiLoCo at τ = 10 and 25 with its tuned outer (learning rate, momentum);
 - crossdc FedAvg at τ = 10 (its τ warm-up starts at 10, so τ is 10 throughout);
-- SparseLoCo at the paper's density (chunked top-k 64 of 4,096, 2-bit values, outer lr 1) at τ = 10 and 25.
+- SparseLoCo at the paper's density (chunked top-k 64 of 4,096, 2-bit values, outer lr 1) at τ = 10 and 25;
+- DiLoCo at τ = 50 with the paper's outer (0.7, 0.9) and an outer learning-rate warm-up over its first 8 of 40
+  rounds, constant after it or then a cosine to 0.07 (few outer steps from a random model are where momentum 0.9
+  hurts: does a warm-up over a fifth of them rescue it?).
 The τ = 50 figures to compare with are the benchmark's and the tuning's own.
 
 Usage: python benchmarks/wan_tau_probe.py [--only KEY@TAU ...] [--jobs 2]
@@ -34,21 +37,25 @@ from wan_benchmark import RESULTS, SIZES, budget_experiment, drive_crossdc, meth
 OUT = RESULTS / "wan_tau_probe.json"
 #: SparseLoCo at the density its paper uses (1.6 %), over the tuned setting's 128
 PAPER_SPARSELOCO = {"sparseloco": {"chunk_k": 64, "outer_lr": 1.0}}
-#: (row key, τ, settings replacing the tuned ones: family → setting)
-ROWS: list[tuple[str, int, dict[str, dict[str, Any]]]] = [
-    ("diloco", 10, {}),
-    ("diloco", 25, {}),
-    ("fedavg-warmup", 10, {}),
-    ("sparseloco", 10, PAPER_SPARSELOCO),
-    ("sparseloco", 25, PAPER_SPARSELOCO),
+PAPER_OUTER = {"outer_lr": 0.7, "outer_momentum": 0.9, "outer_warmup_rounds": 8}
+#: (row key, τ, settings replacing the tuned ones: family → setting, label telling rows of one key and τ apart)
+ROWS: list[tuple[str, int, dict[str, dict[str, Any]], str]] = [
+    ("diloco", 10, {}, ""),
+    ("diloco", 25, {}, ""),
+    ("fedavg-warmup", 10, {}, ""),
+    ("sparseloco", 10, PAPER_SPARSELOCO, ""),
+    ("sparseloco", 25, PAPER_SPARSELOCO, ""),
+    ("diloco", 50, {"diloco": PAPER_OUTER}, "paper-outer-warmup8"),
+    ("diloco", 50, {"diloco": {**PAPER_OUTER, "outer_schedule": "cosine", "outer_min_lr": 0.07}},
+     "paper-outer-warmup8-cosine"),
 ]
 
 
-def row_id(key: str, tau: int) -> str:
-    return f"{key}@{tau}"
+def row_id(key: str, tau: int, label: str = "") -> str:
+    return f"{key}@{tau}" + (f"+{label}" if label else "")
 
 
-def run_row(key: str, tau: int, override: dict[str, dict[str, Any]]) -> dict[str, Any]:
+def run_row(key: str, tau: int, override: dict[str, dict[str, Any]], label: str) -> dict[str, Any]:
     """One row at τ `tau` over the full budget: its final validation loss, curve and bytes each way."""
     torch.set_num_threads(1)
     size = dataclasses.replace(SIZES["full"], tau=tau, tau_warmup_start=min(SIZES["full"].tau_warmup_start, tau))
@@ -60,7 +67,7 @@ def run_row(key: str, tau: int, override: dict[str, dict[str, Any]]) -> dict[str
     started = time.perf_counter()
     with tempfile.TemporaryDirectory() as where:
         rounds = drive_crossdc(doc, Path(where), size.eval_every_steps)
-    row = {"row": row_id(key, tau), "key": key, "tau": tau, "params": dict(method.params), "codecs": list(method.codecs),
+    row = {"row": row_id(key, tau, label), "key": key, "tau": tau, "params": dict(method.params), "codecs": list(method.codecs),
            "rounds": len(rounds), "val_loss": rounds[-1]["val_loss"],
            "curve": [r["val_loss"] for r in rounds if r.get("val_loss") is not None],
            "bytes_up": sum(sum(r["bytes_up"]) for r in rounds), "bytes_down": sum(sum(r["bytes_down"]) for r in rounds),
@@ -71,8 +78,9 @@ def run_row(key: str, tau: int, override: dict[str, dict[str, Any]]) -> dict[str
 
 def markdown(rows: list[dict[str, Any]]) -> str:
     lines = ["| row | τ | settings | rounds | val loss | bytes up | bytes down |", "| --- | ---: | --- | ---: | ---: | ---: | ---: |"]
-    for r in sorted(rows, key=lambda r: (r["key"], r["tau"])):
-        settings = ", ".join([*(f"{k} {v:g}" for k, v in r["params"].items()), *r["codecs"]]) or "—"
+    for r in sorted(rows, key=lambda r: (r["key"], r["tau"], r["row"])):
+        settings = ", ".join([*(f"{k} {v:g}" if isinstance(v, int | float) else f"{k} {v}" for k, v in r["params"].items()),
+                              *r["codecs"]]) or "—"
         lines.append(f"| {r['key']} | {r['tau']} | {settings} | {r['rounds']} | {r['val_loss']:.4f} | "
                      f"{r['bytes_up']:,} | {r['bytes_down']:,} |")
     return "\n".join(lines)
@@ -80,11 +88,11 @@ def markdown(rows: list[dict[str, Any]]) -> str:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--only", nargs="*", choices=[row_id(k, t) for k, t, _ in ROWS], help="rows to (re)run")
+    parser.add_argument("--only", nargs="*", choices=[row_id(k, t, label) for k, t, _, label in ROWS], help="rows to (re)run")
     parser.add_argument("--jobs", type=int, default=2)
     parser.add_argument("--out", type=Path, default=OUT)
     args = parser.parse_args()
-    chosen = [r for r in ROWS if not args.only or row_id(r[0], r[1]) in args.only]
+    chosen = [r for r in ROWS if not args.only or row_id(r[0], r[1], r[3]) in args.only]
     started = time.perf_counter()
     with ProcessPoolExecutor(max_workers=args.jobs, mp_context=multiprocessing.get_context("spawn")) as pool:
         fresh = list(pool.map(run_row, *zip(*chosen, strict=True)))
