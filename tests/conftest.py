@@ -307,6 +307,15 @@ class TrainerService:
         return call_trainer(self.run_dir.trainer_socket("dc-a"), self.run_dir.authkey(), request, connect_timeout_s=120)
 
     def close(self) -> None:
+        """SIGTERM, as `crossdc run` stops a trainer; a trainer still running 120 s later (a busy machine's slowest
+        shutdown was about a minute) is killed and the test fails with its log's tail."""
         self.process.send_signal(signal.SIGTERM)
-        self.process.wait(timeout=60)
-        self.run_dir.remove_sockets()
+        try:
+            self.process.wait(timeout=120)
+        except subprocess.TimeoutExpired:
+            self.process.kill()
+            self.process.wait(timeout=30)
+            log = (self.run_dir.path / "trainer.log").read_text(errors="replace")[-3000:]
+            pytest.fail(f"the trainer did not stop within 120 s of SIGTERM; its log ends:\n{log}")
+        finally:
+            self.run_dir.remove_sockets()

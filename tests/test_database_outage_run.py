@@ -75,7 +75,9 @@ def test_outage_longer_than_the_buffer_fails_the_run_and_keeps_the_model(pg_url:
     direct = make_engine(pg_url)
 
     cutter = cut_after_first_round(direct, relay, restore_after_s=None, outage={})
-    config = with_rounds(load_config(CONFIG), 6)
+    # rounds enough that the outage outlasts db_max_outage_s before they run out: this workload's rounds take a few
+    # hundred milliseconds, and 6 could all end within 2 s of the cut (the run then ended at its last round)
+    config = with_rounds(load_config(CONFIG), 60)
     options = LocalRunOptions(db_url=url, superlink_port=free_port(), runs_root=tmp_path / "runs", db_max_outage_s=2.0)
     try:
         with pytest.raises(RunFailed, match="ServerApp ended"):
