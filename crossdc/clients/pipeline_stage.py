@@ -11,12 +11,10 @@ Promises:
   ``timeout_s``: a dead or unreachable stage fails the others' step within that time, with a
   :class:`StageFailed` naming the stage, never a hang; after a failure the group is gone and the next call
   (:meth:`StageRunner.train_steps`) forms it again;
-- each optimizer step runs the schedule (``gpipe`` or ``1f1b``: the compute order of torch.distributed.pipelining's
-  ScheduleGPipe and Schedule1F1B, on torch's PipelineStage) over ``microbatches`` equal micro-batches of one
-  batch, with every receive of the step posted when it starts (:class:`PrepostedSchedule`: a crossing costs a
-  one-way delay, not gloo's round trip), averages the micro-batches' gradients (the whole batch's mean loss, as the
-  unsplit model) and steps the optimizer: the same update as the unsplit model on that batch, up to float rounding
-  and what the codec loses;
+- each optimizer step runs torch.distributed.pipelining's schedule (``gpipe``: ScheduleGPipe, ``1f1b``:
+  Schedule1F1B) over ``microbatches`` equal micro-batches of one batch, averages the micro-batches' gradients
+  (the whole batch's mean loss, as the unsplit model) and steps the optimizer: the same update as the unsplit model
+  on that batch, up to float rounding and what the codec loses;
 - the data: the first stage draws the batches from the workload's whole training set (datacenter partitions do not
   apply to a pipeline: every example passes through every stage), in the seeded order of
   crossdc.clients.local_training.BatchStream; the last stage draws the same batches from the same seed and keeps
@@ -44,12 +42,10 @@ import numpy as np
 import torch
 import torch.distributed as dist
 from torch import nn
-from torch.distributed.pipelining import PipelineStage
-from torch.distributed.pipelining.schedules import PipelineScheduleSingle
+from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGPipe
 
 from crossdc.clients.local_training import BatchStream
 from crossdc.compression.activations import boundary_modules
-from crossdc.strategies.pipeline import schedule_order
 from crossdc.workloads import InnerOptions, Workload, make_optimizer, set_lr
 from crossdc.workloads.stages import split_model
 
@@ -127,59 +123,6 @@ class _TimedStage(PipelineStage):
             self.spans.append((BACKWARD, bwd_chunk_id, started, time.time()))
 
 
-def _start(ops: list[dist.P2POp]) -> list[dist.Work]:
-    return dist.batch_isend_irecv(ops) if ops else []
-
-
-def _wait(works: list[dist.Work]) -> None:
-    for work in works:
-        work.wait()
-
-
-class PrepostedSchedule(PipelineScheduleSingle):
-    """One stage's optimizer step: its forwards and backwards in the order of `schedule`
-    (crossdc.strategies.pipeline.schedule_order: GPipe or 1F1B, the same compute order as torch's ScheduleGPipe and
-    Schedule1F1B), with **every receive of the step posted when the step starts** and each send posted as soon as its
-    op ends, all sends waited for at the step's end.
-
-    torch's schedules post each receive just before the op that needs it; over gloo a message's data leaves only
-    once the receiver's ready-to-receive notice has reached the sender, so every crossing there costs a round trip.
-    Posted in advance, the notice is already at the sender when the data is ready: a crossing costs a one-way delay
-    and the time on the wire. Each micro-batch has its own receive buffer in torch's stage, so posting them all at
-    once is safe, and gloo matches a peer's messages to the posted receives in order. The step's result (losses,
-    gradients averaged over the micro-batches) is the same as torch's schedules'."""
-
-    def __init__(self, stage: PipelineStage, n_microbatches: int, loss_fn: Any, schedule: str) -> None:
-        super().__init__(stage=stage, n_microbatches=n_microbatches, loss_fn=loss_fn)
-        self._order = schedule_order(schedule, stage.stage_index, stage.num_stages, n_microbatches)
-
-    def _step_microbatches(self, arg_mbs: list | None = None, kwarg_mbs: list | None = None,  # type: ignore[override]
-                           target_mbs: list | None = None, losses: list | None = None, return_outputs: bool = True,
-                           loss_kwargs: dict[str, Any] | None = None) -> None:
-        arg_mbs, kwarg_mbs = self._check_inputs(arg_mbs, kwarg_mbs, target_mbs, losses)
-        self._initialize_stage(arg_mbs[0], kwarg_mbs[0], target_mbs[0] if target_mbs is not None else None, loss_kwargs)
-        stage, count = self._stage, self._n_microbatches
-        forward_inputs = [_start(stage.get_fwd_recv_ops(m)) for m in range(count)]
-        backward_inputs = [_start(stage.get_bwd_recv_ops(m)) for m in range(count)]
-        sends: list[dist.Work] = []
-        for kind, m in self._order:
-            if kind == "F":
-                _wait(forward_inputs[m])
-                output = stage.forward_one_chunk(m, arg_mbs[m], kwarg_mbs[m], save_forward_output=return_outputs)
-                sends += _start(stage.get_fwd_send_ops(m))
-                self._maybe_compute_loss(stage, output, target_mbs, m, loss_kwargs)
-            else:
-                _wait(backward_inputs[m])
-                stage.backward_one_chunk(m, loss=self._maybe_get_loss(stage, m), last_backward=m == count - 1)
-                sends += _start(stage.get_bwd_send_ops(m))
-        _wait(sends)
-        self._update_losses(stage, losses)
-        stage.perform_reduce_grad(count if self.scale_grads else 1)
-
-    def _get_pipeline_order(self) -> None:
-        return None
-
-
 def stage_modules(model: nn.Module, blocks_per_stage: Sequence[int], codec: str, sample: torch.Tensor, *, seed: int,
                   codec_rank: int | None = None) -> tuple[list[nn.Module], list[torch.Tensor]]:
     """Every stage of `model` with its boundary codec's modules, and the tensor each stage receives for the micro-batch
@@ -240,7 +183,7 @@ class StageRunner:
                                         self.options)
         self.steps_taken = 0
         self._stage: _TimedStage | None = None
-        self._schedule: PrepostedSchedule | None = None
+        self._schedule: ScheduleGPipe | Schedule1F1B | None = None
 
     # ------------------------------------------------------------------ the group
     def _connect(self) -> None:
@@ -259,9 +202,9 @@ class StageRunner:
                             input_args=(self.input_example,), output_args=(self.output_example,),
                             output_grads=None if self.last else (torch.zeros_like(self.output_example),),
                             input_grads=None if self.first else (torch.zeros_like(self.input_example),))
+        kind = ScheduleGPipe if s.schedule == "gpipe" else Schedule1F1B
         # every stage names the loss: torch runs the backward half of the schedule only where a loss is given
-        self._stage = stage
-        self._schedule = PrepostedSchedule(stage, s.microbatches, self.workload.loss, s.schedule)
+        self._stage, self._schedule = stage, kind(stage, n_microbatches=s.microbatches, loss_fn=self.workload.loss)
 
     def close(self) -> None:
         """Leave the group (the next step forms it again)."""
