@@ -205,8 +205,8 @@ def gloo_rows(profiles: list[str], repeats: int, runs: int) -> list[dict[str, An
                          "run_errors_rel": [sample["median_s"] / predicted - 1 for sample in samples],
                          "textbook_ring_s": ring_allreduce_time(size, 2, link.bandwidth_mbps, link.rtt_ms),
                          "run_queue_drops": [drops for _, drops, _ in probes], "run_packets": [packets for _, _, packets in probes]})
-            print(f"gloo {profile} {size} B: predicted {predicted:.3f}s, measured {median:.3f}s "
-                  f"(runs: {', '.join(f'{run_median:.3f}' for run_median in rows[-1]['run_medians_s'])})", flush=True)
+            runs = ", ".join(f"{sample['median_s']:.3f}" for sample in samples)
+            print(f"gloo {profile} {size} B: predicted {predicted:.3f}s, measured {median:.3f}s (runs: {runs})", flush=True)
     return rows
 
 
