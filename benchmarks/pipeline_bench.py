@@ -29,9 +29,10 @@ What is read back from SQL per row (rounds after the first; the first pays the g
 - the validation loss of the last round (rounds.val_loss; every row trains the same steps from the same seed).
 
 The planner's prediction (crossdc.wan.pipeline_plan.pipeline_step, fed with measured figures; its default
-transport "gloo" models what the runtime does: torch's schedules post each receive just before they need it, 1F1B
-holds each send back until the stage's next receive, and gloo sends a message's data only once the receiver's
-notice has crossed the link, so a micro-batch that crosses a boundary costs about a round trip):
+transport "gloo" models what the runtime does: crossdc's PrepostedSchedule posts every receive of a step when the
+step starts, and gloo sends a message's data once the receiver's notice has crossed the link, so a micro-batch that
+crosses a boundary costs a one-way delay and its time on the wire, the step's first ones whatever is left of the
+notice's trip):
 - *planner (free-link calibration)*, the goal's column: the stages' compute per step and the backward/forward
   ratio are the free-S row's of the same schedule (the row with latency hidden), and ``optimizer_s`` is what that
   row's step measured beyond the simulated schedule (the optimizer step, the data, torch's bookkeeping): a
@@ -39,13 +40,15 @@ notice has crossed the link, so a micro-batch that crosses a boundary costs abou
   exact by construction (they are the calibration), so they are not scored;
 - *planner (same-run compute)*: the same with the row's own compute (compute_s per micro-batch of the row's run),
   which takes the CPU contention of that row out of the comparison;
-- *streaming*: the planner with ``transport="streaming"`` (a send leaves as soon as its op ends: the one-way model
-  the planner had before the runtime was measured, for an engine that pipelines its sends), free-link calibration,
-  to show what the handshake costs.
+- *torch's schedules*: the planner with ``transport="torch"`` (torch's own ScheduleGPipe / Schedule1F1B, which the
+  runtime ran until 2026-12-05: each receive posted just before its op, so a crossing costs a round trip; 1F1B
+  holds sends back until the stage's next receive), free-link calibration: what posting the receives ahead saves;
+- *streaming*: the planner with ``transport="streaming"`` (an ideal engine: a send leaves as soon as its op ends,
+  no notice to wait for), free-link calibration.
 
 Goals: (a) the WAN rows' measured step within 20 % of the planner's prediction (free-link calibration), on the
 three link profiles (a profile is met when both schedules' rows are); beside it, which schedule the planner and
-the streaming transport say is faster, against the one measured faster; (b) on the free rows, the measured bubble
+the other transports say is faster, against the one measured faster; (b) on the free rows, the measured bubble
 within 10 % (relative) of (S − 1)/(M + S − 1); (c) int8 activations' validation loss within 1 % of none's at equal
 steps; and the subspace codec's compression (bytes on the wire, none / subspace) and loss cost.
 
@@ -306,9 +309,12 @@ def plan_for(row: dict[str, Any], compute: dict[str, Any], optimizer_s: float,
 PREDICTION_KEYS = (
     "calibration_row", "overhead_per_step_s", "predicted_step_s", "predicted_error", "predicted_exposed_comm_s",
     "predicted_bubble_fraction", "predicted_same_run_step_s", "predicted_same_run_error", "streaming_step_s",
-    "streaming_error", "streaming_overhead_per_step_s", "theoretical_bubble_fraction", "scored", "prediction_note",
+    "streaming_error", "streaming_overhead_per_step_s", "torch_step_s", "torch_error", "torch_overhead_per_step_s",
+    "theoretical_bubble_fraction", "scored", "prediction_note",
     "runtime_model_step_s", "runtime_model_error", "runtime_model_overhead_per_step_s",
 )
+#: the planner's other transports, shown beside the runtime's ("gloo"): torch's own schedules, the ideal engine
+OTHER_TRANSPORTS = ("torch", "streaming")
 
 
 def predict(done: dict[str, dict[str, Any]]) -> None:
@@ -324,18 +330,19 @@ def predict(done: dict[str, dict[str, Any]]) -> None:
             continue
         # the calibration: what the free row measured beyond the simulated schedule, per transport
         overhead = {transport: calib["step_s"] - pipeline_step(plan_for(calib, calib, 0.0, transport)).makespan_s
-                    for transport in ("gloo", "streaming")}
+                    for transport in ("gloo", *OTHER_TRANSPORTS)}
         calibrated = pipeline_step(plan_for(row, calib, overhead["gloo"]))
         same_run = pipeline_step(plan_for(row, row, overhead["gloo"]))
-        streaming = pipeline_step(plan_for(row, calib, overhead["streaming"], "streaming"))
+        for transport in OTHER_TRANSPORTS:
+            other = pipeline_step(plan_for(row, calib, overhead[transport], transport))
+            row.update({f"{transport}_step_s": other.step_s, f"{transport}_error": row["step_s"] / other.step_s - 1.0,
+                        f"{transport}_overhead_per_step_s": overhead[transport]})
         row.update(
             calibration_row=calib["key"], overhead_per_step_s=overhead["gloo"],
             predicted_step_s=calibrated.step_s, predicted_error=row["step_s"] / calibrated.step_s - 1.0,
             predicted_exposed_comm_s=calibrated.exposed_comm_s, predicted_bubble_fraction=calibrated.bubble_fraction,
             predicted_same_run_step_s=same_run.step_s,
             predicted_same_run_error=row["step_s"] / same_run.step_s - 1.0,
-            streaming_step_s=streaming.step_s, streaming_error=row["step_s"] / streaming.step_s - 1.0,
-            streaming_overhead_per_step_s=overhead["streaming"],
             theoretical_bubble_fraction=bubble_fraction(row["stages"], row["microbatches"]),
             scored=not row["key"].startswith("free-"))
 
@@ -360,7 +367,7 @@ def goals(done: dict[str, dict[str, Any]]) -> dict[str, Any]:
         if set(rs) == {"gpipe", "1f1b"}:
             ranking[profile] = {name: min(sorted(rs), key=lambda schedule: float(rs[schedule][field]))
                                 for name, field in (("measured", "step_s"), ("planner", "predicted_step_s"),
-                                                    ("streaming", "streaming_step_s"))}
+                                                    *((t, f"{t}_step_s") for t in OTHER_TRANSPORTS))}
             steps = sorted(float(r["step_s"]) for r in rs.values())
             ranking[profile]["measured_margin"] = steps[1] / steps[0] - 1.0
     met: dict[str, Any] = {
@@ -369,7 +376,7 @@ def goals(done: dict[str, dict[str, Any]]) -> dict[str, Any]:
         "step_rows_outside_20_percent": sorted(k for k, v in step.items() if abs(v) > 0.20),
         "step_profiles_met": per_profile,
         "step_vs_same_run_prediction": {k: r["predicted_same_run_error"] for k, r in scored.items()},
-        "step_vs_streaming": {k: r["streaming_error"] for k, r in scored.items()},
+        **{f"step_vs_{t}": {k: r[f"{t}_error"] for k, r in scored.items()} for t in OTHER_TRANSPORTS},
         "faster_schedule": ranking,
         "bubble_vs_theory": bubble, "bubble_met": bool(bubble) and all(abs(v) <= 0.10 for v in bubble.values()),
         "bubble_in_window_vs_theory": window,
@@ -404,24 +411,24 @@ def markdown(done: dict[str, dict[str, Any]], met: dict[str, Any], meta: dict[st
     lines = [f"Pipeline split, measured on {meta['machine']} ({meta['note']}; 1-minute load average "
              f"{min(loads):.1f}–{max(loads):.1f} around the rows); {meta['workload']}.", "",
              "| row | S | link | schedule | codec | measured step | planner (free-link cal.) | error | "
-             "planner (same-run compute) | error | streaming (one-way) | error | bubble measured | in window | "
-             "(S−1)/(M+S−1) | crossing | act. bytes/µb | val loss |",
+             "planner (same-run compute) | error | torch's schedules | error | streaming (one-way) | error | "
+             "bubble measured | in window | (S−1)/(M+S−1) | crossing | act. bytes/µb | val loss |",
              "| --- | ---: | --- | --- | --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: "
-             "| ---: | ---: |"]
+             "| ---: | ---: | ---: | ---: |"]
     for key, r in done.items():
         if not r["ok"]:
             lines.append(f"| {key} | {r['stages']} | {r['link']} | {r['schedule']} | {r['codec']} | failed: "
-                         f"{r['error'][:120]} |" + " |" * 13)
+                         f"{r['error'][:120]} |" + " |" * 15)
             continue
         predicted = r.get("predicted_step_s")
         same = r.get("predicted_same_run_step_s")
-        streaming = r.get("streaming_step_s")
         lines.append(
             f"| {key} | {r['stages']} | {r['link']} | {r['schedule']} | {r['codec']} | {r['step_s']:.3f} s | "
             + (f"{predicted:.3f} s | {_error(r, r['predicted_error'])} | "
                if predicted is not None else "– | – | ")
             + (f"{same:.3f} s | {_error(r, r['predicted_same_run_error'])} | " if same is not None else "– | – | ")
-            + (f"{streaming:.3f} s | {_error(r, r['streaming_error'])} | " if streaming is not None else "– | – | ")
+            + "".join(f"{r[f'{t}_step_s']:.3f} s | {_error(r, r[f'{t}_error'])} | " if f"{t}_step_s" in r
+                      else "– | – | " for t in OTHER_TRANSPORTS)
             + f"{r['bubble_fraction']:.3f} | {r['bubble_fraction_in_schedule_window']:.3f} | "
             + f"{bubble_fraction(r['stages'], r['microbatches']):.3f} | "
             + (f"{1e3 * r['crossing_s']:.1f} ms | " if "crossing_s" in r else "– | ")
@@ -439,11 +446,13 @@ def markdown(done: dict[str, dict[str, Any]], met: dict[str, Any], meta: dict[st
                  if profiles else ""),
               "    with the row's own compute: "
               + ", ".join(f"{k} {_pct(v)}" for k, v in met["step_vs_same_run_prediction"].items())
-              + "; the streaming transport (a send leaves when its op ends, the planner's earlier model): "
+              + "; torch's own schedules (each receive posted just before its op: a round trip per crossing): "
+              + ", ".join(f"{k} {_pct(v)}" for k, v in met["step_vs_torch"].items())
+              + "; the streaming transport (an ideal engine: a send leaves when its op ends): "
               + ", ".join(f"{k} {_pct(v)}" for k, v in met["step_vs_streaming"].items()),
-              "    the faster schedule per profile, measured (by how much) / planner / streaming: "
-              + ", ".join(f"{p} {r['measured']} ({_pct(r['measured_margin'])}) / {r['planner']} / {r['streaming']}"
-                          for p, r in met["faster_schedule"].items()),
+              "    the faster schedule per profile, measured (by how much) / planner / torch's / streaming: "
+              + ", ".join(f"{p} {r['measured']} ({_pct(r['measured_margin'])}) / {r['planner']} / {r['torch']} / "
+                          f"{r['streaming']}" for p, r in met["faster_schedule"].items()),
               "(b) measured bubble (pipeline_stages.bubble_fraction) vs (S−1)/(M+S−1), free rows: "
               + (", ".join(f"{k} {_pct(v)}" for k, v in met["bubble_vs_theory"].items()) or "none measured")
               + f" — goal within 10 %: {'met' if met['bubble_met'] else 'missed'}; inside the schedule's window: "

@@ -1,5 +1,7 @@
 """The pipeline planner (`crossdc plan --pipeline`, crossdc/wan/pipeline_plan.py): the simulated schedule against the
-textbook bubble and hand-computed WAN cases (gloo's handshake, the default transport, and the ideal streaming one),
+textbook bubble and hand-computed WAN cases (gloo's handshake with every receive posted when the step starts, the
+default transport and the runtime's; torch's own schedules, each receive posted just before its op; the ideal
+streaming one),
 the comparison with data parallel and DiLoCo, its verdict, its input checks, and the command. Pure and fast: no
 torch, no network. (How close the gloo model comes to real runs is benchmarks/pipeline_bench.py's to measure.)"""
 
@@ -85,7 +87,7 @@ def test_the_simulation_runs_the_runtime_s_schedule() -> None:
 
 
 def test_the_runtime_s_transport_is_the_default() -> None:
-    assert DEFAULT_TRANSPORT == "gloo" and TRANSPORTS == ("gloo", "streaming")
+    assert DEFAULT_TRANSPORT == "gloo" and TRANSPORTS == ("gloo", "torch", "streaming")
     assert equal_split(2, 4).transport == "gloo"
     assert pipeline_step(equal_split(2, 4)).transport == "gloo"
 
@@ -105,7 +107,7 @@ def test_each_stage_follows_schedule_order_whatever_the_link(transport: str, sch
 def test_an_unknown_schedule_or_transport_is_a_cost_model_error() -> None:
     with pytest.raises(CostModelError, match="unknown pipeline schedule 'zigzag'"):
         simulate_schedule("zigzag", [1.0, 1.0], [2.0, 2.0], [0.0], [0.0], 4)
-    with pytest.raises(CostModelError, match="unknown pipeline transport 'carrier-pigeon'; known: gloo, streaming"):
+    with pytest.raises(CostModelError, match="unknown pipeline transport 'carrier-pigeon'; known: gloo, torch, streaming"):
         simulate_schedule("gpipe", [1.0, 1.0], [2.0, 2.0], [0.0], [0.0], 4, "carrier-pigeon")
 
 
@@ -162,13 +164,13 @@ def test_the_timeline_keeps_every_dependency(transport: str) -> None:
             assert all(a.end_s <= b.start_s + 1e-12 for a, b in zip(mine, mine[1:], strict=False))
 
 
-def test_over_gloo_an_op_that_receives_waits_a_round_trip_after_the_stage_s_previous_op() -> None:
+def test_with_torch_s_schedules_an_op_that_receives_waits_a_round_trip_after_the_stage_s_previous_op() -> None:
     # the stage posts the op's receive no earlier than its previous op's end (or the step's start); the notice takes
     # RTT/2 to the sender, the data RTT/2 + its time on the wire back
     link = resolve_link(bandwidth_mbps=100, rtt_ms=60)
     round_trip = 0.060 + transfer_time(1e6, 100)
     for schedule in SCHEDULES:
-        estimate = pipeline_step(equal_split(3, 5, schedule, link=link, activation_bytes=1e6))
+        estimate = pipeline_step(equal_split(3, 5, schedule, link=link, activation_bytes=1e6, transport="torch"))
         for stage in range(3):
             previous_end = 0.0
             for op in sorted((op for op in estimate.timeline if op.stage == stage), key=lambda op: op.start_s):
@@ -198,7 +200,31 @@ def test_streaming_latency_adds_two_one_way_delays_per_boundary_to_a_gpipe_step(
 
 
 @pytest.mark.parametrize("microbatches", [4, 8, 9, 16])
-def test_over_gloo_gpipe_pays_a_round_trip_per_micro_batch_each_way(microbatches: int) -> None:
+def test_over_gloo_with_receives_posted_ahead_gpipe_pays_the_first_notice_and_one_way_delays(microbatches: int) -> None:
+    # By hand, 2 stages, one-way delay L, wire time T, f / b a micro-batch's forward / backward, T ≤ f ≤ L (4 MB over
+    # 1 Gbps: T = 32 ms, f = 1/24 s, L = 50 ms). Both stages post every receive at 0; stage 1's notices reach stage 0
+    # at L. F[0]'s data, sent at f, leaves then (L) and reaches stage 1 at 2L + T; every later F[m] leaves when its
+    # forward ends and arrives before stage 1 is free for it, so stage 1's forwards run back to back from 2L + T,
+    # then its backwards, each B[m] leaving as it ends (stage 0's notice is long there) and arriving L + T later,
+    # one b apart: stage 0 runs them back to back from 2L + T + M·f + b + L + T. Step 3L + 2T + M·f + (M + 1)·b,
+    # against (M + 1)(f + b) over free links: exposed 3L + 2T − f (torch's own GPipe: (4M − 1)L + 2M·T − f).
+    latency, link = 0.050, resolve_link(bandwidth_mbps=1000, rtt_ms=100)
+    transfer = transfer_time(4e6, 1000)
+    estimate = pipeline_step(equal_split(2, microbatches, "gpipe", link=link, activation_bytes=4e6,
+                                         step_time_s=microbatches / 4))
+    f, b = estimate.forward_s[0], estimate.backward_s[0]
+    assert transfer <= f <= latency and transfer <= b
+    assert estimate.step_s == pytest.approx(3 * latency + 2 * transfer + microbatches * f + (microbatches + 1) * b,
+                                            rel=1e-12)
+    assert estimate.exposed_comm_s == pytest.approx(3 * latency + 2 * transfer - f, rel=1e-12)
+    torch_s = pipeline_step(equal_split(2, microbatches, "gpipe", link=link, activation_bytes=4e6,
+                                        step_time_s=microbatches / 4, transport="torch"))
+    assert torch_s.exposed_comm_s == pytest.approx((4 * microbatches - 1) * latency + 2 * microbatches * transfer - f,
+                                                   rel=1e-12)
+
+
+@pytest.mark.parametrize("microbatches", [4, 8, 9, 16])
+def test_with_torch_s_schedules_gpipe_pays_a_round_trip_per_micro_batch_each_way(microbatches: int) -> None:
     # By hand, 2 stages, one-way delay L = 0.1 s, wire time T (1 byte), f / b a micro-batch's forward / backward
     # (f ≤ L). Forwards: stage 1 posts the receive of F[m] when F[m − 1] ends; its notice reaches stage 0 L later,
     # the data (sent long before) leaves then and arrives L + T later: stage 1's F[m] ends at (m + 1)(2L + T + f).
@@ -209,7 +235,8 @@ def test_over_gloo_gpipe_pays_a_round_trip_per_micro_batch_each_way(microbatches
     # against (M + 1)(f + b) over free links: exposed (4M − 1)L + 2M·T − f (the streaming transport: 2(L + T)).
     latency, transfer = 0.100, transfer_time(1.0, 10_000)
     link = resolve_link(bandwidth_mbps=10_000, rtt_ms=200)
-    estimate = pipeline_step(equal_split(2, microbatches, "gpipe", link=link, activation_bytes=1.0, step_time_s=1.0))
+    estimate = pipeline_step(equal_split(2, microbatches, "gpipe", link=link, activation_bytes=1.0, step_time_s=1.0,
+                                         transport="torch"))
     f, b = estimate.forward_s[0], estimate.backward_s[0]
     assert f <= latency
     assert estimate.free_links_step_s == pytest.approx((microbatches + 1) * (f + b), rel=1e-12)
@@ -218,7 +245,7 @@ def test_over_gloo_gpipe_pays_a_round_trip_per_micro_batch_each_way(microbatches
 
 
 @pytest.mark.parametrize("microbatches", [4, 8, 9, 16])
-def test_over_gloo_1f1b_pays_one_round_trip_per_micro_batch(microbatches: int) -> None:
+def test_with_torch_s_schedules_1f1b_pays_one_round_trip_per_micro_batch(microbatches: int) -> None:
     # By hand, the same 2 stages (2f ≤ L). Stage 0 runs F[0], F[1] (F[0]'s data leaves at L, when stage 1's notice
     # arrives, so stage 0 waits for it until L), then holds F[1]'s send and posts it with the receive of B[0].
     # Stage 1 runs F[0] at 2L + T, then B[0], then posts B[0]'s send with F[1]'s receive at t = 2L + T + f + b:
@@ -229,28 +256,32 @@ def test_over_gloo_1f1b_pays_one_round_trip_per_micro_batch(microbatches: int) -
     # (2M + 1)L + (M + 1)T − f: about half of GPipe's (4M − 1)L.
     latency, transfer = 0.100, transfer_time(1.0, 10_000)
     link = resolve_link(bandwidth_mbps=10_000, rtt_ms=200)
-    estimate = pipeline_step(equal_split(2, microbatches, "1f1b", link=link, activation_bytes=1.0, step_time_s=1.0))
+    estimate = pipeline_step(equal_split(2, microbatches, "1f1b", link=link, activation_bytes=1.0, step_time_s=1.0,
+                                         transport="torch"))
     f = estimate.forward_s[0]
     assert 2 * f <= latency
     exposed = (2 * microbatches + 1) * latency + (microbatches + 1) * transfer - f
     assert estimate.exposed_comm_s == pytest.approx(exposed, rel=1e-12)
-    gpipe = pipeline_step(equal_split(2, microbatches, "gpipe", link=link, activation_bytes=1.0, step_time_s=1.0))
+    gpipe = pipeline_step(equal_split(2, microbatches, "gpipe", link=link, activation_bytes=1.0, step_time_s=1.0,
+                                      transport="torch"))
     assert estimate.step_s < gpipe.step_s
 
 
 @pytest.mark.parametrize("schedule", SCHEDULES)
 @pytest.mark.parametrize("stages", [2, 3, 4])
 @pytest.mark.parametrize("microbatches", [1, 4, 8])
-def test_gloo_s_handshake_never_makes_a_step_shorter_than_streaming(schedule: str, stages: int,
-                                                                    microbatches: int) -> None:
+def test_gloo_s_handshake_never_makes_a_step_shorter_than_streaming_and_posting_ahead_never_longer_than_torch(
+        schedule: str, stages: int, microbatches: int) -> None:
     for link, activation_bytes in (("continental", 4e6), ("transoceanic", 1e6), ("constrained", 1e5)):
         plan = runnable_split(stages, microbatches, schedule, link=link, activation_bytes=activation_bytes)
         if plan is None:
             return
         gloo = pipeline_step(plan)
         streaming = pipeline_step(replace(plan, transport="streaming"))
-        assert gloo.step_s >= streaming.step_s - 1e-12
+        torch_s = pipeline_step(replace(plan, transport="torch"))
+        assert streaming.step_s - 1e-12 <= gloo.step_s <= torch_s.step_s + 1e-12
         assert gloo.free_links_step_s == pytest.approx(streaming.free_links_step_s, rel=1e-12)
+        assert torch_s.free_links_step_s == pytest.approx(streaming.free_links_step_s, rel=1e-12)
 
 
 @pytest.mark.parametrize("transport", TRANSPORTS)
@@ -355,11 +386,11 @@ def test_nothing_fits_when_even_a_stage_is_too_big() -> None:
     assert result.verdict.startswith("Nothing fits.")
 
 
-def test_the_verdict_points_at_1f1b_when_gpipe_waits_on_gloo_s_round_trips() -> None:
-    # the hand-computed cases above with 4 MB over 1 Gbps (T = 32 ms), L = 50 ms, f = 1/24 s: GPipe exposes
+def test_the_verdict_points_at_1f1b_when_torch_s_gpipe_waits_on_gloo_s_round_trips() -> None:
+    # the hand-computed cases above with 4 MB over 1 Gbps (T = 32 ms), L = 50 ms, f = 1/24 s: torch's GPipe exposes
     # 31L + 16T − f = 2.02 s, 1F1B about half
     plan = equal_split(2, 8, "gpipe", link=resolve_link(bandwidth_mbps=1000, rtt_ms=100), activation_bytes=4e6,
-                       step_time_s=2.0)
+                       step_time_s=2.0, transport="torch")
     result = compare(plan)
     assert result.pipeline.exposed_comm_s == pytest.approx(31 * 0.050 + 16 * 0.032 - 1 / 24, rel=1e-12)
     assert result.other_schedule == "1f1b"
@@ -401,7 +432,7 @@ def test_the_verdict_points_at_gpipe_when_1f1b_waits_on_round_trips_over_a_strea
     (dict(step_time_s=0.0), "step time"),
     (dict(backward_ratio=0.0), "backward/forward ratio"),
     (dict(schedule="zigzag"), "unknown pipeline schedule 'zigzag'; known: gpipe, 1f1b"),
-    (dict(transport="tcp"), "unknown pipeline transport 'tcp'; known: gloo, streaming"),
+    (dict(transport="tcp"), "unknown pipeline transport 'tcp'; known: gloo, torch, streaming"),
     (dict(links=[FREE, FREE]), "2 stages have 1 boundaries, but 2 links were given"),
     (dict(links=["mars"]), "unknown link profile 'mars'"),
     (dict(stage_compute_s=[1.0]), "stage compute times are given for 1 stages, the split has 2"),
@@ -432,19 +463,27 @@ def test_cli_pipeline_table() -> None:
     assert any(line.startswith("data parallel") for line in lines)
     assert any(line.startswith("DiLoCo (tau 100)") for line in lines)
     assert "64 MB" in result.stdout and "8 GB" in result.stdout  # the pipeline's and data parallel's bytes per step
-    # over gloo 1F1B pays a round trip per micro-batch (2.22 s a step, test_the_verdict_points_at_1f1b_...): DiLoCo
-    # at τ = 100 (2.09 s) is the faster here
-    assert any(line.startswith("pipeline (1f1b)") and "2.22 s" in line for line in lines)
-    assert lines[-1].startswith("verdict: DiLoCo (tau 100) wins per step: 2.09 s against pipeline (1f1b) 2.22 s")
+    # the runtime's 1F1B (receives posted ahead) takes the planner's figure, beats DiLoCo at τ = 100 (2.09 s), and the
+    # verdict names GPipe's shorter step (its exposed delay is hand-computed in
+    # test_over_gloo_with_receives_posted_ahead_gpipe_pays_the_first_notice_and_one_way_delays)
+    planned = compare(equal_split(2, 8, "1f1b", link=resolve_link(bandwidth_mbps=1000, rtt_ms=100),
+                                  activation_bytes=4e6, step_time_s=2.0), tau=100)
+    one_f_one_b = f"{planned.pipeline.step_s:.3g} s"
+    assert any(line.startswith("pipeline (1f1b)") and one_f_one_b in line for line in lines)
+    assert lines[-1].startswith(f"verdict: pipeline (1f1b) wins per step: {one_f_one_b} against data parallel 33.1 s, "
+                                "DiLoCo (tau 100) 2.09 s")
+    gpipe = 1.125 + 3 * 0.050 + 2 * 0.032 - 1 / 24
+    assert f"GPipe would take {gpipe:.3g} s per step here: 1F1B keeps at most S micro-batches in flight" in lines[-1]
 
 
 def test_cli_pipeline_json() -> None:
     result = CliRunner().invoke(app, [*PIPELINE_ARGS, "--schedule", "gpipe", "--tau", "50", "--json"])
     assert result.exit_code == 0, result.output
     out = json.loads(result.stdout)
-    # GPipe over gloo: 1.125 s over free links, plus (4M − 1)L + 2M·T − f = 31 · 50 ms + 16 · 32 ms − 1/24 s
-    # (test_over_gloo_gpipe_pays_a_round_trip_per_micro_batch_each_way); DiLoCo at τ = 50 takes 3.19 s
-    assert out["pipeline"]["step_s"] == pytest.approx(1.125 + 31 * 0.050 + 16 * 0.032 - 1 / 24)
+    # GPipe over gloo, receives posted ahead: 1.125 s over free links, plus 3L + 2T − f = 3 · 50 ms + 2 · 32 ms − 1/24 s
+    # (test_over_gloo_with_receives_posted_ahead_gpipe_pays_the_first_notice_and_one_way_delays); DiLoCo at τ = 50
+    # takes 3.19 s
+    assert out["pipeline"]["step_s"] == pytest.approx(1.125 + 3 * 0.050 + 2 * 0.032 - 1 / 24)
     assert out["pipeline"]["transport"] == "gloo"
     assert out["pipeline"]["wan_bytes_per_step"] == 2 * 8 * 4e6
     assert out["data_parallel"]["comm_s"] == pytest.approx(32.1)

@@ -94,8 +94,8 @@ def _stage(index: int, stages: int, master: str, schedule: str, steps: int, code
         state = runner.state_dict()
         runner.close()  # a restarted stage: a fresh runner on the saved state joins a fresh group
         _, model, _, _ = _setup(model_name)
-        again = StageRunner(workload, model, blocks, settings, batch_size=BATCH, optimizer=optimizer,
-                            lr=lr, data_seed=DATA_SEED, codec_seed=1)
+        again = StageRunner(workload, model, blocks, dataclasses.replace(settings, generation=1), batch_size=BATCH,
+                            optimizer=optimizer, lr=lr, data_seed=DATA_SEED, codec_seed=1)
         again.load_state_dict(state)
         second = again.train_steps(1)
         entry = {"index": index, "weights": again.weights(), "order": {schedule: first.order}, "loss": second.loss,
@@ -103,7 +103,8 @@ def _stage(index: int, stages: int, master: str, schedule: str, steps: int, code
                  "bubble": first.bubble_fraction, "spans": len(first.spans) + len(second.spans)}
         again.close()
         if also is not None:
-            other = StageRunner(workload, _setup(model_name)[1], blocks, dataclasses.replace(settings, schedule=also),
+            other = StageRunner(workload, _setup(model_name)[1], blocks,
+                                dataclasses.replace(settings, schedule=also, generation=2),
                                 batch_size=BATCH, optimizer=optimizer, lr=lr, data_seed=DATA_SEED, codec_seed=1)
             entry["order"][also] = other.train_steps(1).order
             other.close()

@@ -10,11 +10,14 @@ Promises:
 - the stages form one torch.distributed group (gloo, rank = stage index) whose every operation times out after
   ``timeout_s``: a dead or unreachable stage fails the others' step within that time, with a
   :class:`StageFailed` naming the stage, never a hang; after a failure the group is gone and the next call
-  (:meth:`StageRunner.train_steps`) forms it again;
-- each optimizer step runs torch.distributed.pipelining's schedule (``gpipe``: ScheduleGPipe, ``1f1b``:
-  Schedule1F1B) over ``microbatches`` equal micro-batches of one batch, averages the micro-batches' gradients
-  (the whole batch's mean loss, as the unsplit model) and steps the optimizer: the same update as the unsplit model
-  on that batch, up to float rounding and what the codec loses;
+  (:meth:`StageRunner.train_steps`) forms it again; each forming (``generation``, the run's attempt) meets at its own
+  rendezvous port, so stages that re-form at different moments never meet in the forming that is going away;
+- each optimizer step runs the schedule (``gpipe`` or ``1f1b``: the compute order of torch.distributed.pipelining's
+  ScheduleGPipe and Schedule1F1B, on torch's PipelineStage) over ``microbatches`` equal micro-batches of one
+  batch, with every receive of the step posted when it starts (:class:`PrepostedSchedule`: a crossing costs a
+  one-way delay, not gloo's round trip), averages the micro-batches' gradients (the whole batch's mean loss, as the
+  unsplit model) and steps the optimizer: the same update as the unsplit model on that batch, up to float rounding
+  and what the codec loses;
 - the data: the first stage draws the batches from the workload's whole training set (datacenter partitions do not
   apply to a pipeline: every example passes through every stage), in the seeded order of
   crossdc.clients.local_training.BatchStream; the last stage draws the same batches from the same seed and keeps
@@ -42,16 +45,22 @@ import numpy as np
 import torch
 import torch.distributed as dist
 from torch import nn
-from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGPipe
+from torch.distributed.pipelining import PipelineStage
+from torch.distributed.pipelining.schedules import PipelineScheduleSingle
 
 from crossdc.clients.local_training import BatchStream
 from crossdc.compression.activations import boundary_modules
+from crossdc.strategies.pipeline import schedule_order
 from crossdc.workloads import InnerOptions, Workload, make_optimizer, set_lr
 from crossdc.workloads.stages import split_model
 
 log = logging.getLogger("crossdc.pipeline")
 
 FORWARD, BACKWARD = "forward", "backward"
+
+
+#: how many consecutive ports, from the master's, the formings of a group take in turn
+RENDEZVOUS_PORTS = 16
 
 
 class StageFailed(RuntimeError):
@@ -70,11 +79,21 @@ class StageSettings:
     activation_codec: str = "none"
     #: the subspace codec's rank (None: its default)
     codec_rank: int | None = None
-    #: HOST:PORT of the group's rendezvous (served by the first stage)
+    #: HOST:PORT of the group's rendezvous (served by the first stage); each forming of the group meets at its own
+    #: port (:meth:`rendezvous`)
     master: str = "127.0.0.1:29800"
+    #: which forming of the group this is (a run's attempt: every stage of one forming gives the same number)
+    generation: int = 0
     timeout_s: float = 30.0
     #: the network interface gloo uses to reach the other stages (None: gloo's default)
     interface: str | None = None
+
+    def rendezvous(self) -> str:
+        """HOST:PORT where this forming of the group meets: the master's port + generation (mod
+        RENDEZVOUS_PORTS). A stage that leaves a group and forms the next one while the first stage still holds the
+        previous rendezvous then waits for the next one instead of joining a group that is going away."""
+        host, port = self.master.rsplit(":", 1)
+        return f"{host}:{int(port) + self.generation % RENDEZVOUS_PORTS}"
 
 
 @dataclass
@@ -121,6 +140,59 @@ class _TimedStage(PipelineStage):
             return super().backward_one_chunk(bwd_chunk_id, *args, **kwargs)
         finally:
             self.spans.append((BACKWARD, bwd_chunk_id, started, time.time()))
+
+
+def _start(ops: list[dist.P2POp]) -> list[dist.Work]:
+    return dist.batch_isend_irecv(ops) if ops else []
+
+
+def _wait(works: list[dist.Work]) -> None:
+    for work in works:
+        work.wait()
+
+
+class PrepostedSchedule(PipelineScheduleSingle):
+    """One stage's optimizer step: its forwards and backwards in the order of `schedule`
+    (crossdc.strategies.pipeline.schedule_order: GPipe or 1F1B, the same compute order as torch's ScheduleGPipe and
+    Schedule1F1B), with **every receive of the step posted when the step starts** and each send posted as soon as its
+    op ends, all sends waited for at the step's end.
+
+    torch's schedules post each receive just before the op that needs it; over gloo a message's data leaves only
+    once the receiver's ready-to-receive notice has reached the sender, so every crossing there costs a round trip.
+    Posted in advance, the notice is already at the sender when the data is ready: a crossing costs a one-way delay
+    and the time on the wire. Each micro-batch has its own receive buffer in torch's stage, so posting them all at
+    once is safe, and gloo matches a peer's messages to the posted receives in order. The step's result (losses,
+    gradients averaged over the micro-batches) is the same as torch's schedules'."""
+
+    def __init__(self, stage: PipelineStage, n_microbatches: int, loss_fn: Any, schedule: str) -> None:
+        super().__init__(stage=stage, n_microbatches=n_microbatches, loss_fn=loss_fn)
+        self._order = schedule_order(schedule, stage.stage_index, stage.num_stages, n_microbatches)
+
+    def _step_microbatches(self, arg_mbs: list | None = None, kwarg_mbs: list | None = None,  # type: ignore[override]
+                           target_mbs: list | None = None, losses: list | None = None, return_outputs: bool = True,
+                           loss_kwargs: dict[str, Any] | None = None) -> None:
+        arg_mbs, kwarg_mbs = self._check_inputs(arg_mbs, kwarg_mbs, target_mbs, losses)
+        self._initialize_stage(arg_mbs[0], kwarg_mbs[0], target_mbs[0] if target_mbs is not None else None, loss_kwargs)
+        stage, count = self._stage, self._n_microbatches
+        forward_inputs = [_start(stage.get_fwd_recv_ops(m)) for m in range(count)]
+        backward_inputs = [_start(stage.get_bwd_recv_ops(m)) for m in range(count)]
+        sends: list[dist.Work] = []
+        for kind, m in self._order:
+            if kind == "F":
+                _wait(forward_inputs[m])
+                output = stage.forward_one_chunk(m, arg_mbs[m], kwarg_mbs[m], save_forward_output=return_outputs)
+                sends += _start(stage.get_fwd_send_ops(m))
+                self._maybe_compute_loss(stage, output, target_mbs, m, loss_kwargs)
+            else:
+                _wait(backward_inputs[m])
+                stage.backward_one_chunk(m, loss=self._maybe_get_loss(stage, m), last_backward=m == count - 1)
+                sends += _start(stage.get_bwd_send_ops(m))
+        _wait(sends)
+        self._update_losses(stage, losses)
+        stage.perform_reduce_grad(count if self.scale_grads else 1)
+
+    def _get_pipeline_order(self) -> None:
+        return None
 
 
 def stage_modules(model: nn.Module, blocks_per_stage: Sequence[int], codec: str, sample: torch.Tensor, *, seed: int,
@@ -183,28 +255,29 @@ class StageRunner:
                                         self.options)
         self.steps_taken = 0
         self._stage: _TimedStage | None = None
-        self._schedule: ScheduleGPipe | Schedule1F1B | None = None
+        self._schedule: PrepostedSchedule | None = None
 
     # ------------------------------------------------------------------ the group
     def _connect(self) -> None:
         s = self.settings
         if s.interface:  # gloo picks its interface when the group is made: the emulated link to the other stages
             os.environ["GLOO_SOCKET_IFNAME"] = s.interface
-        log.info("stage %d of %d: joining the pipeline group at %s", s.index, s.stages, s.master)
+        where = s.rendezvous()
+        log.info("stage %d of %d: joining the pipeline group at %s (forming %d)", s.index, s.stages, where, s.generation)
         try:
-            dist.init_process_group("gloo", init_method=f"tcp://{s.master}", rank=s.index, world_size=s.stages,
+            dist.init_process_group("gloo", init_method=f"tcp://{where}", rank=s.index, world_size=s.stages,
                                     timeout=timedelta(seconds=s.timeout_s))
         except Exception as err:
-            raise StageFailed(f"stage {s.index} could not join the pipeline group at {s.master} within "
+            raise StageFailed(f"stage {s.index} could not join the pipeline group at {where} within "
                               f"{s.timeout_s:g}s ({type(err).__name__}: {err})".splitlines()[0]) from err
         # every shape given up front: torch then never runs a stage on uninitialised buffers to find them
         stage = _TimedStage(self.module, s.index, s.stages, torch.device("cpu"),
                             input_args=(self.input_example,), output_args=(self.output_example,),
                             output_grads=None if self.last else (torch.zeros_like(self.output_example),),
                             input_grads=None if self.first else (torch.zeros_like(self.input_example),))
-        kind = ScheduleGPipe if s.schedule == "gpipe" else Schedule1F1B
         # every stage names the loss: torch runs the backward half of the schedule only where a loss is given
-        self._stage, self._schedule = stage, kind(stage, n_microbatches=s.microbatches, loss_fn=self.workload.loss)
+        self._stage = stage
+        self._schedule = PrepostedSchedule(stage, s.microbatches, self.workload.loss, s.schedule)
 
     def close(self) -> None:
         """Leave the group (the next step forms it again)."""

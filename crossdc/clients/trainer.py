@@ -296,6 +296,7 @@ class DatacenterTrainer:
             index=names.index(self.datacenter), stages=len(names), microbatches=int(params["microbatches"]),
             schedule=str(params["schedule"]), activation_codec=str(params["activation_codec"]),
             codec_rank=int(params["codec_rank"]) or None, master=f"{group['master'][0]}:{group['master'][1]}",
+            generation=request.attempt,
             timeout_s=float(params["stage_timeout_s"]), interface=group.get("interfaces", {}).get(self.datacenter))
         workload = self.trainer.workload
         model = initial_model(config, workload)

@@ -9,23 +9,25 @@ Pure functions, no I/O and no torch. What it promises:
   of both schedules (GPipe every forward, then every backward; 1F1B a warm-up of min(M, S − s) forwards on stage s,
   then one backward and one forward in turn while forwards remain, then the remaining backwards):
 
-  * stage s runs its forwards F[s][m] and backwards B[s][m] one at a time, in that order; before each op it posts
-    the op's receive (the activation from stage s − 1, the gradient from stage s + 1; the last stage's backward
-    needs only its own forward: the loss is there) and waits for it; after the op it posts the op's send;
-  * **when a message's data leaves** (``transport``): with ``"gloo"``, the default and what the runtime does, gloo's
-    TCP transport sends a message's data only once the receiver has posted its receive and that notice has crossed
-    the link (gloo's pair.cc: a send with no remote pending receive waits for the receiver's ready-to-receive
-    notice), so the data leaves at max(send posted, receive posted + RTT/2, the wire free). torch's schedules post
-    each receive just before they need it, so a micro-batch whose receiver is already waiting costs a round trip
-    plus its time on the wire, not a one-way delay. With ``"streaming"`` (an ideal engine that pipelines its sends,
-    receives posted in advance: the model before the runtime was measured) the data leaves at max(send posted, the
-    wire free);
-  * **when a send is waited for** (gloo): as torch's schedules do. GPipe posts each send right after its op and
-    waits for all of a phase's sends at the phase's end. 1F1B posts a warm-up forward's send at once and waits for it
-    after the next forward, holds the last warm-up forward's send and every send of the one-backward-one-forward
-    phase back until the stage's next receive, posts them together and waits for both (Schedule1F1B's fused
-    ``fwd_send_bwd_recv`` and ``bwd_send_fwd_recv``), and posts the cool-down's backward sends at once, waiting for
-    each after the next backward. A send completes when its data leaves. ("streaming" never waits for a send.)
+  * stage s runs its forwards F[s][m] and backwards B[s][m] one at a time, in that order; each op waits for its
+    receive (the activation from stage s − 1, the gradient from stage s + 1; the last stage's backward needs only
+    its own forward: the loss is there); after the op it posts the op's send;
+  * **when a receive is posted and a message's data leaves** (``transport``): gloo's TCP transport sends a
+    message's data only once the receiver has posted its receive and that notice has crossed the link (gloo's
+    pair.cc: a send with no remote pending receive waits for the receiver's ready-to-receive notice), so the data
+    leaves at max(send posted, receive posted + RTT/2, the wire free). With ``"gloo"``, the default and what
+    crossdc's runtime does (crossdc.clients.pipeline_stage.PrepostedSchedule), a stage posts **every receive of the
+    step when the step starts**, posts each send when its op ends and waits for its sends at the step's end: a
+    crossing costs a one-way delay and its time on the wire, plus, for the step's first messages, whatever is
+    left of the notice's one-way trip. With ``"torch"``, what torch's own ScheduleGPipe and Schedule1F1B do over
+    gloo: each receive posted just before the op that needs it (so a micro-batch whose receiver is already
+    waiting costs a round trip plus its time on the wire), GPipe posting each send right after its op and waiting
+    for a phase's sends at the phase's end, 1F1B posting a warm-up forward's send at once and waiting for it after
+    the next forward, holding the last warm-up forward's send and every send of the one-backward-one-forward phase
+    back until the stage's next receive (Schedule1F1B's fused ``fwd_send_bwd_recv`` and ``bwd_send_fwd_recv``), and
+    posting the cool-down's backward sends at once, waiting for each after the next backward; a send completes when
+    its data leaves. With ``"streaming"`` (an ideal engine: no notice to wait for) the data leaves at max(send
+    posted, the wire free) and no send is waited for;
   * a boundary's link carries each direction on its own (full duplex), one micro-batch after another: data occupies
     the wire ``activation_bytes / bandwidth`` (`cost_model.transfer_time`) and arrives one one-way delay (RTT/2)
     after it left;
@@ -34,7 +36,7 @@ Pure functions, no I/O and no torch. What it promises:
   A stage's compute per step is ``step_time_s`` × its share of the parameters (or ``stage_compute_s``), split
   over M micro-batches as forward : backward = 1 : ``backward_ratio``. With free links and equal stages the
   simulation reproduces the textbook bubble (S−1)/(M+S−1) (`strategies.pipeline.bubble_fraction`) exactly, for
-  both schedules and both transports; what the WAN adds (the handshake's round trips, a link slower than a stage)
+  both schedules and every transport; what the WAN adds (the links' delays, the notices, a link slower than a stage)
   comes out of the same simulation, reported as ``exposed_comm_s`` (the step minus the same schedule's step over
   free links). benchmarks/pipeline_bench.py measures the gloo model against real runs over the namespace emulator
   (docs/benchmarks.md).
@@ -91,7 +93,7 @@ DEFAULT_TAU = 100
 SCHEDULE_NAMES = {"gpipe": "GPipe", "1f1b": "1F1B"}
 #: when a message's data leaves (see the module docstring): "gloo" (the runtime's: after the receiver's notice),
 #: "streaming" (an ideal engine: as soon as it is sent)
-TRANSPORTS = ("gloo", "streaming")
+TRANSPORTS = ("gloo", "torch", "streaming")
 DEFAULT_TRANSPORT = "gloo"
 
 OpKind = Literal["forward", "backward"]
@@ -114,8 +116,9 @@ class PipelinePlan:
     backward_ratio: a backward's time over its forward's (2 for a transformer's matmuls).
     links: one link per boundary (S − 1), a `LinkSpec` or a profile name; boundary i joins stages i and i + 1.
     schedule: "gpipe" (every forward, then every backward) or "1f1b".
-    transport: "gloo" (the runtime's: a message's data leaves once the receiver's notice has crossed the link) or
-    "streaming" (an ideal engine whose data leaves as soon as it is sent); see the module docstring.
+    transport: "gloo" (the runtime's: every receive of a step posted when it starts, a message's data leaving once
+    the receiver's notice has crossed the link), "torch" (torch's own schedules: each receive posted just before its
+    op) or "streaming" (an ideal engine whose data leaves as soon as it is sent); see the module docstring.
     optimizer_s: seconds of the optimizer step after the last backward (0: ignored).
     max_params_per_datacenter: the most parameters one datacenter can hold (None: no limit).
     """
@@ -229,10 +232,10 @@ class _Instruction:
 
 def _stage_program(schedule: str, transport: str, stage: int, stages: int,
                    order: Sequence[tuple[OpKind, int]]) -> list[_Instruction]:
-    """What stage `stage` does in one step (see the module docstring): its ops in `order`, each after its receive,
-    with the sends posted and waited for as torch's ScheduleGPipe / Schedule1F1B do (torch 2.13,
-    torch/distributed/pipelining/schedules.py), or, with the "streaming" transport, posted at once and never waited
-    for."""
+    """What stage `stage` does in one step (see the module docstring): its ops in `order`, each after its receive;
+    "gloo": every receive posted at the step's start, the sends waited for at its end (crossdc's PrepostedSchedule);
+    "torch": receives and sends posted and waited for as torch's ScheduleGPipe / Schedule1F1B do (torch 2.13,
+    torch/distributed/pipelining/schedules.py); "streaming": sends posted at once and never waited for."""
 
     def receive(kind: OpKind, m: int) -> tuple[_End, ...]:
         if kind == "forward":
@@ -249,6 +252,17 @@ def _stage_program(schedule: str, transport: str, stage: int, stages: int,
     def post_and_wait(ends: tuple[_End, ...]) -> None:
         program.extend((_Instruction("post", ends), _Instruction("wait", ends)))
 
+    if transport == "gloo":
+        # crossdc's PrepostedSchedule: the step's receives posted at its start, each send after its op, all sends
+        # waited for at the step's end
+        program.append(_Instruction("post", tuple(end for kind, m in order for end in receive(kind, m))))
+        sent: tuple[_End, ...] = ()
+        for kind, m in order:
+            program += [_Instruction("wait", receive(kind, m)), _Instruction("compute", kind=kind, microbatch=m),
+                        _Instruction("post", send(kind, m))]
+            sent += send(kind, m)
+        program.append(_Instruction("wait", sent))
+        return program
     if transport == "streaming":
         for kind, m in order:
             post_and_wait(receive(kind, m))
@@ -307,8 +321,8 @@ def simulate_schedule(schedule: str, forward_s: Sequence[float], backward_s: Seq
     """Every op of one step, placed by the rules of the module docstring.
 
     forward_s / backward_s: one micro-batch's forward / backward on each stage; transfer_s / latency_s: each
-    boundary's time on the wire for one micro-batch and its one-way delay (the same both ways); transport: "gloo"
-    or "streaming". Returns the ops in the order they were placed. A send leaves before its receiver's op can
+    boundary's time on the wire for one micro-batch and its one-way delay (the same both ways); transport: "gloo",
+    "torch" or "streaming". Returns the ops in the order they were placed. A send leaves before its receiver's op can
     start, so no stage's wait for a send outlasts the first stage's last backward: the last op's end is the step's.
     """
     stages = len(forward_s)
@@ -316,7 +330,7 @@ def simulate_schedule(schedule: str, forward_s: Sequence[float], backward_s: Seq
         raise CostModelError("simulate_schedule needs a forward and a backward time per stage, a transfer and a "
                              "latency per boundary")
     _check_transport(transport)
-    handshake = transport == "gloo"
+    handshake = transport != "streaming"
     orders = _stage_orders(schedule, stages, microbatches)
     programs = [_stage_program(schedule, transport, stage, stages, orders[stage]) for stage in range(stages)]
     counter = [0] * stages
@@ -544,11 +558,11 @@ def compare(plan: PipelinePlan, tau: int = DEFAULT_TAU) -> Comparison:
     verdict = _verdict(plan, pipe, dp, costs, winner, ratio, tau)
     if costs[0].feasible and other is not None and other.step_s < 0.99 * pipe.step_s:
         verdict += f" {SCHEDULE_NAMES[other_schedule]} would take {other.step_s:.3g} s per step here"
-        if plan.transport == "gloo" and plan.schedule == "gpipe":
+        if plan.transport == "torch" and plan.schedule == "gpipe":
             verdict += (": GPipe posts each receive only when it needs it, so every micro-batch's activation and then "
                         "its gradient wait a round trip for the receiver's notice, where 1F1B posts a stage's held "
                         "send with its next receive and a micro-batch's activation and gradient share one.")
-        elif plan.transport == "streaming" and plan.schedule == "1f1b":
+        elif plan.transport != "torch" and plan.schedule == "1f1b":
             verdict += (": 1F1B keeps at most S micro-batches in flight, so the WAN's round trips are paid again and "
                         "again, where GPipe pays them once in the fill and once in the drain (at the cost of holding "
                         "all M micro-batches' activations).")
