@@ -37,9 +37,11 @@ from wan_benchmark import RESULTS, SIZES, budget_experiment, drive_crossdc, meth
 OUT = RESULTS / "wan_tau_probe.json"
 #: SparseLoCo at the density its paper uses (1.6 %), over the tuned setting's 128
 PAPER_SPARSELOCO = {"sparseloco": {"chunk_k": 64, "outer_lr": 1.0}}
-PAPER_OUTER = {"outer_lr": 0.7, "outer_momentum": 0.9, "outer_warmup_rounds": 8}
-#: (row key, τ, settings replacing the tuned ones: family → setting, label telling rows of one key and τ apart)
-ROWS: list[tuple[str, int, dict[str, dict[str, Any]], str]] = [
+PAPER_PAIR = {"outer_lr": 0.7, "outer_momentum": 0.9, "outer_momentum_warmup_rounds": 0}
+PAPER_OUTER = {**PAPER_PAIR, "outer_warmup_rounds": 8}
+#: (row key, τ, settings replacing the tuned ones: family → setting, "method" → fields of the row's Method such
+#: as its inner "lr", or "seed" → the run's seed (0 otherwise); label telling rows of one key and τ apart)
+ROWS: list[tuple[str, int, dict[str, Any], str]] = [
     ("diloco", 10, {}, ""),
     ("diloco", 25, {}, ""),
     ("fedavg-warmup", 10, {}, ""),
@@ -48,6 +50,13 @@ ROWS: list[tuple[str, int, dict[str, dict[str, Any]], str]] = [
     ("diloco", 50, {"diloco": PAPER_OUTER}, "paper-outer-warmup8"),
     ("diloco", 50, {"diloco": {**PAPER_OUTER, "outer_schedule": "cosine", "outer_min_lr": 0.07}},
      "paper-outer-warmup8-cosine"),
+    ("diloco", 50, {"diloco": {**PAPER_PAIR, "outer_momentum_warmup_rounds": 10}}, "paper-outer-momentum-warmup10"),
+    ("diloco", 50, {"diloco": {**PAPER_PAIR, "outer_momentum_warmup_rounds": 20}}, "paper-outer-momentum-warmup20"),
+    *[("diloco", 50, {"diloco": {**PAPER_PAIR, "outer_momentum_warmup_rounds": 20}, "seed": seed},
+       f"paper-outer-momentum-warmup20-seed{seed}") for seed in (1, 2)],
+    ("diloco", 50, {"diloco": {**PAPER_PAIR, "outer_momentum_warmup_rounds": 30}}, "paper-outer-momentum-warmup30"),
+    ("diloco", 50, {"diloco": {**PAPER_PAIR, "outer_momentum_warmup_rounds": 40}}, "paper-outer-momentum-warmup40"),
+    ("diloco", 50, {"diloco": PAPER_PAIR, "method": {"lr": 1.5e-3}}, "paper-outer-inner-lr1.5e-3"),
 ]
 
 
@@ -55,19 +64,23 @@ def row_id(key: str, tau: int, label: str = "") -> str:
     return f"{key}@{tau}" + (f"+{label}" if label else "")
 
 
-def run_row(key: str, tau: int, override: dict[str, dict[str, Any]], label: str) -> dict[str, Any]:
+def run_row(key: str, tau: int, override: dict[str, Any], label: str) -> dict[str, Any]:
     """One row at τ `tau` over the full budget: its final validation loss, curve and bytes each way."""
     torch.set_num_threads(1)
     size = dataclasses.replace(SIZES["full"], tau=tau, tau_warmup_start=min(SIZES["full"].tau_warmup_start, tau))
     tuned, _ = read_tuning("full")
     for family, setting in override.items():
-        tuned[family] = {**tuned.get(family, {}), **setting}
-    method = method_catalogue(size, tuned)[key]
-    doc = budget_experiment(method, size)
+        if family not in ("method", "seed"):
+            tuned[family] = {**tuned.get(family, {}), **setting}
+    method = dataclasses.replace(method_catalogue(size, tuned)[key], **override.get("method", {}))
+    seed = int(override.get("seed", 0))
+    doc = budget_experiment(method, size, seed)
     started = time.perf_counter()
     with tempfile.TemporaryDirectory() as where:
         rounds = drive_crossdc(doc, Path(where), size.eval_every_steps)
-    row = {"row": row_id(key, tau, label), "key": key, "tau": tau, "params": dict(method.params), "codecs": list(method.codecs),
+    params = {**method.params, **({"inner_lr": method.lr} if "method" in override else {})}
+    row = {"row": row_id(key, tau, label), "key": key, "tau": tau, "seed": seed, "params": params,
+           "codecs": list(method.codecs),
            "rounds": len(rounds), "val_loss": rounds[-1]["val_loss"],
            "curve": [r["val_loss"] for r in rounds if r.get("val_loss") is not None],
            "bytes_up": sum(sum(r["bytes_up"]) for r in rounds), "bytes_down": sum(sum(r["bytes_down"]) for r in rounds),
@@ -77,11 +90,12 @@ def run_row(key: str, tau: int, override: dict[str, dict[str, Any]], label: str)
 
 
 def markdown(rows: list[dict[str, Any]]) -> str:
-    lines = ["| row | τ | settings | rounds | val loss | bytes up | bytes down |", "| --- | ---: | --- | ---: | ---: | ---: | ---: |"]
+    lines = ["| row | τ | settings | seed | rounds | val loss | bytes up | bytes down |",
+             "| --- | ---: | --- | ---: | ---: | ---: | ---: | ---: |"]
     for r in sorted(rows, key=lambda r: (r["key"], r["tau"], r["row"])):
         settings = ", ".join([*(f"{k} {v:g}" if isinstance(v, int | float) else f"{k} {v}" for k, v in r["params"].items()),
                               *r["codecs"]]) or "—"
-        lines.append(f"| {r['key']} | {r['tau']} | {settings} | {r['rounds']} | {r['val_loss']:.4f} | "
+        lines.append(f"| {r['key']} | {r['tau']} | {settings} | {r.get('seed', 0)} | {r['rounds']} | {r['val_loss']:.4f} | "
                      f"{r['bytes_up']:,} | {r['bytes_down']:,} |")
     return "\n".join(lines)
 

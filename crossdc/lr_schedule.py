@@ -45,6 +45,14 @@ class LrSchedule:
         return lr_at(step, base_lr, horizon, self.kind, self.warmup_steps, self.min_lr)
 
 
+def warmed_up(value: float, step: int, warmup_steps: int) -> float:
+    """`value` during and after a linear warm-up over `warmup_steps`: value · (step + 1) / warmup_steps for the 0-based
+    steps 0 … warmup_steps − 1 (never 0), `value` from then on (and always when warmup_steps is 0)."""
+    if step < warmup_steps:
+        return value * (step + 1) / warmup_steps
+    return value
+
+
 def lr_at(step: int, base_lr: float, horizon: int, kind: str = "constant", warmup_steps: int = 0,
           min_lr: float = 0.0) -> float:
     """The learning rate of the 0-based `step` of a run of `horizon` steps.
@@ -61,7 +69,7 @@ def lr_at(step: int, base_lr: float, horizon: int, kind: str = "constant", warmu
     if kind not in SCHEDULE_KINDS:
         raise ScheduleError(f"unknown schedule kind {kind!r}; known: {', '.join(SCHEDULE_KINDS)}")
     if step < warmup_steps:
-        return base_lr * (step + 1) / warmup_steps
+        return warmed_up(base_lr, step, warmup_steps)
     if kind == "constant":
         return base_lr
     decay_steps = horizon - warmup_steps

@@ -190,9 +190,47 @@ def test_diloco_outer_warmup_scales_its_first_steps() -> None:
     assert strategy.round_metrics(4, [])["outer_lr"] == pytest.approx(0.75)
 
 
+def test_diloco_outer_momentum_warmup_is_torch_sgd_with_its_momentum_set_each_step() -> None:
+    strategy = _diloco({"outer_lr": 0.7, "outer_momentum": 0.9, "outer_momentum_warmup_rounds": 3})
+    rng = np.random.default_rng(0)
+    weights = {"w": rng.standard_normal(5).astype(np.float32)}
+    reference = torch.nn.Parameter(torch.tensor(weights["w"]))
+    outer = torch.optim.SGD([reference], lr=0.7, momentum=0.9, nesterov=True)
+    momenta = []
+    for server_round in range(1, 5):
+        mean = {"w": rng.standard_normal(5).astype(np.float32)}
+        weights = strategy.aggregate(server_round, weights, [ClientUpdate(datacenter="a", delta=mean, num_examples=1)],
+                                     mean)
+        momentum = 0.9 * min(1.0, server_round / 3)  # 0.3, 0.6, 0.9, 0.9
+        momenta.append(momentum)
+        outer.param_groups[0]["momentum"] = momentum
+        outer.zero_grad()
+        reference.grad = -torch.tensor(mean["w"])
+        outer.step()
+        np.testing.assert_allclose(weights["w"], reference.detach().numpy(), rtol=1e-6, atol=1e-6)
+    assert momenta == pytest.approx([0.3, 0.6, 0.9, 0.9])
+
+
+def test_gossip_warms_its_outer_momentum_up_as_diloco_does() -> None:
+    doc = _config({}, {"name": "gossip", "tau": 2, "params": {"outer_momentum": 0.6, "outer_momentum_warmup_rounds": 3}},
+                  rounds=4)
+    gossip = build_strategy(parse_config(doc))
+    assert [gossip.momentum(r) for r in range(1, 6)] == pytest.approx([0.2, 0.4, 0.6, 0.6, 0.6])
+    # a replica's step in round 2 is torch's SGD at that round's momentum
+    outer, buffer = {"w": np.array([1.0, 2.0], np.float32)}, {"w": np.array([0.5, -0.5], np.float32)}
+    mixed = {"w": np.array([0.0, 1.0], np.float32)}
+    stepped, new_buffer = gossip.outer_step(outer, mixed, buffer, server_round=2)
+    np.testing.assert_allclose(new_buffer["w"], 0.4 * buffer["w"] + (outer["w"] - mixed["w"]))
+    np.testing.assert_allclose(stepped["w"], outer["w"] - 0.7 * new_buffer["w"], rtol=1e-6)
+    doc["strategy"]["params"]["outer_momentum_warmup_rounds"] = 5
+    with pytest.raises(StrategyError, match=r"outer_momentum_warmup_rounds \(5\) is longer than the run \(4 rounds\)"):
+        build_strategy(parse_config(doc))
+
+
 @pytest.mark.parametrize(("params", "fragment"), [
     ({"outer_min_lr": 0.9}, "outer_min_lr (0.9) is above outer_lr (0.7)"),
     ({"outer_warmup_rounds": 5}, "outer_warmup_rounds (5) is longer than the run (4 rounds)"),
+    ({"outer_momentum_warmup_rounds": 5}, "outer_momentum_warmup_rounds (5) is longer than the run (4 rounds)"),
     ({"outer_schedule": "step"}, "outer_schedule' must be one of constant, cosine, linear"),
 ])
 def test_bad_outer_schedules_are_refused(params: dict[str, Any], fragment: str) -> None:

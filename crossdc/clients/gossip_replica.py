@@ -156,7 +156,7 @@ class GossipReplica:
             mixed = choco_mix(self.inner, public, row, self.index, self.strategy.consensus_step)
         else:
             mixed = mix({self.index: self.inner, **states}, row)
-        self.outer, self.momentum = self.strategy.outer_step(self.outer, mixed, self.momentum)
+        self.outer, self.momentum = self.strategy.outer_step(self.outer, mixed, self.momentum, server_round)
         self.trainer.set_weights(self.outer)
         self.inner = None
         self.server_round = server_round

@@ -16,6 +16,9 @@ outer_momentum = 0 it is exactly FedAvg. Defaults follow the paper: outer lr 0.7
 The outer learning rate may follow a schedule over the run's rounds (``outer_schedule`` constant | cosine | linear,
 ``outer_warmup_rounds``, ``outer_min_lr``; :func:`crossdc.lr_schedule.lr_at` counted in outer steps, 0-based, over
 run.rounds): few outer steps with a large momentum are where a warm-up helps. The default is the constant outer_lr.
+The momentum may warm up too (``outer_momentum_warmup_rounds`` N: μ·(s + 1)/N at 0-based outer step s < N, then μ;
+the same count as the learning rate's, torch.optim.SGD's semantics with its param group's momentum set before each
+step), so that the first rounds' pseudo-gradients, taken far from where the run ends, weigh less in the buffer.
 
 Like torchft's LocalSGD → DiLoCo, the only method this overrides is the server's step (`aggregate`).
 """
@@ -27,7 +30,7 @@ from typing import Any
 
 import numpy as np
 
-from crossdc.lr_schedule import SCHEDULE_KINDS, lr_at
+from crossdc.lr_schedule import SCHEDULE_KINDS, lr_at, warmed_up
 from crossdc.strategies.aggregation import l2_norm, negate, nesterov_sgd_step
 from crossdc.strategies.base import Arrays, ClientUpdate, Parameter, RunInfo, Strategy, StrategyError
 
@@ -44,6 +47,8 @@ class DiLoCo(Strategy):
         "outer_warmup_rounds": Parameter(int, 0, "outer steps over which the outer learning rate rises linearly to "
                                          "outer_lr", low=0),
         "outer_min_lr": Parameter(float, 0.0, "the outer learning rate a decaying schedule ends at", low=0.0),
+        "outer_momentum_warmup_rounds": Parameter(int, 0, "outer steps over which the outer momentum rises linearly "
+                                                  "to outer_momentum", low=0),
     }
 
     #: server state, replaced (never mutated) by each outer step: the outer momentum b, steps taken, last step's norm
@@ -59,9 +64,10 @@ class DiLoCo(Strategy):
         if float(self.params["outer_min_lr"]) > float(self.params["outer_lr"]):
             raise StrategyError(f"strategy '{self.name}': outer_min_lr ({self.params['outer_min_lr']:g}) is above "
                                 f"outer_lr ({self.params['outer_lr']:g})")
-        if run.rounds and int(self.params["outer_warmup_rounds"]) > run.rounds:
-            raise StrategyError(f"strategy '{self.name}': outer_warmup_rounds ({self.params['outer_warmup_rounds']}) is "
-                                f"longer than the run ({run.rounds} rounds)")
+        for warmup in ("outer_warmup_rounds", "outer_momentum_warmup_rounds"):
+            if run.rounds and int(self.params.get(warmup, 0)) > run.rounds:
+                raise StrategyError(f"strategy '{self.name}': {warmup} ({self.params[warmup]}) is longer than the run "
+                                    f"({run.rounds} rounds)")
         super().check_run(run)
 
     def outer_lr(self) -> float:
@@ -71,8 +77,10 @@ class DiLoCo(Strategy):
                      int(self.params["outer_warmup_rounds"]), float(self.params["outer_min_lr"]))
 
     def momentum(self) -> float:
-        """The outer Nesterov momentum μ (the ``outer_momentum`` parameter)."""
-        return float(self.params["outer_momentum"])
+        """The outer Nesterov momentum μ of the next outer step (``outer_momentum``, warmed up over
+        ``outer_momentum_warmup_rounds`` at :meth:`schedule_position`)."""
+        return warmed_up(float(self.params["outer_momentum"]), self.schedule_position()[0],
+                         int(self.params["outer_momentum_warmup_rounds"]))
 
     def schedule_position(self) -> tuple[int, int]:
         """(the next outer step's place in the outer schedule, 0-based; the run's outer steps): one step a round."""
@@ -90,10 +98,9 @@ class DiLoCo(Strategy):
         buffer = self.momentum_buffer or {}
         names = list(global_weights)
         previous = {n: buffer[n] for n in names} if all(n in buffer for n in names) else None
-        self.last_outer_lr = self.outer_lr()
-        weights, stepped = nesterov_sgd_step(global_weights, pseudo_gradient, previous, self.last_outer_lr,
-                                             self.momentum())
-        if self.momentum() > 0.0:  # without momentum the buffer is never read: neither kept nor checkpointed
+        self.last_outer_lr, momentum = self.outer_lr(), self.momentum()
+        weights, stepped = nesterov_sgd_step(global_weights, pseudo_gradient, previous, self.last_outer_lr, momentum)
+        if momentum > 0.0:  # without momentum the buffer is never read: neither kept nor checkpointed
             self.momentum_buffer = {**buffer, **stepped}
         self.outer_steps += 1
         self.last_step_l2 = l2_norm({n: weights[n].astype(np.float64) - global_weights[n] for n in weights})

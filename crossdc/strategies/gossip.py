@@ -17,8 +17,9 @@ Client contract (what every datacenter does; the topology, its mixing matrices W
 - mix: m_i = θ_i + γ·Σ_j w_ij·(θ̂_j − θ̂_i) with CHOCO (γ = ``consensus_step``), m_i = Σ_j w_ij·θ_j otherwise; a
   neighbour whose message did not arrive within ``exchange_timeout_s`` is left out of this round, its weight kept
   by the receiver (a whole neighbour state or none);
-- outer step on the pseudo-gradient g_i = φ_i − m_i: SGD with momentum μ (``outer_momentum``), Nesterov if
-  ``nesterov``, learning rate ``outer_lr``; then θ_i ← φ_i. With random pairs, lr α and heavy-ball momentum β this is
+- outer step on the pseudo-gradient g_i = φ_i − m_i: SGD with momentum μ (``outer_momentum``, optionally warmed up
+  over the first ``outer_momentum_warmup_rounds`` rounds as DiLoCo's), Nesterov if ``nesterov``, learning rate
+  ``outer_lr``; then θ_i ← φ_i. With random pairs, lr α and heavy-ball momentum β this is
   NoLoCo's rule m ← β·m + α·(mean of the pair's θ − φ_i), φ ← φ + m; with ``outer_lr`` 1 and momentum 0 it is plain
   decentralized local SGD (φ_i ← m_i).
 
@@ -36,6 +37,7 @@ from typing import Any
 
 import numpy as np
 
+from crossdc.lr_schedule import warmed_up
 from crossdc.strategies.aggregation import nesterov_sgd_step
 from crossdc.strategies.base import Parameter, RunInfo, Strategy, StrategyError
 from crossdc.strategies.mixing import (
@@ -68,6 +70,8 @@ class Gossip(Strategy):
         "outer_momentum": Parameter(float, 0.5, "the outer momentum (each datacenter keeps its own)", low=0.0,
                                     high=0.999),
         "nesterov": Parameter(bool, False, "Nesterov momentum for the outer step (NoLoCo: heavy ball)"),
+        "outer_momentum_warmup_rounds": Parameter(int, 0, "gossip rounds over which the outer momentum rises linearly "
+                                                  "to outer_momentum (as DiLoCo's)", low=0),
         "consensus_step": Parameter(float, 0.0, "γ of CHOCO's mix with compressed exchanges (0: 1 without codecs, "
                                     f"{DEFAULT_CHOCO_STEP} with)", low=0.0, high=1.0),
         "exchange_timeout_s": Parameter(float, 30.0, "how long a datacenter waits for a neighbour's state before it "
@@ -79,6 +83,10 @@ class Gossip(Strategy):
         if self.schedule.start != self.schedule.end:
             raise StrategyError(f"strategy '{self.name}' needs a constant tau (the inner steps of every gossip round), "
                                 f"got a schedule from {self.schedule.start} to {self.schedule.end}")
+        if run.rounds and int(self.params["outer_momentum_warmup_rounds"]) > run.rounds:
+            raise StrategyError(f"strategy '{self.name}': outer_momentum_warmup_rounds "
+                                f"({self.params['outer_momentum_warmup_rounds']}) is longer than the run "
+                                f"({run.rounds} rounds)")
         topology = self.params["topology"]
         if run.codecs and topology not in FIXED_TOPOLOGIES:
             raise StrategyError(f"strategy '{self.name}': compressed exchanges ([compression] codecs) need a fixed "
@@ -116,13 +124,19 @@ class Gossip(Strategy):
         """W of gossip round `server_round` (doubly stochastic; checked before the run started)."""
         return mixing_matrix(self.round_graph(server_round), float(self.params["mixing"]))
 
-    def outer_step(self, outer: Arrays, mixed: Arrays, buffer: Arrays | None) -> tuple[dict[str, np.ndarray],
-                                                                                       dict[str, np.ndarray]]:
-        """(φ', momentum') from a replica's outer weights φ, its mix m and its momentum (None before its first step):
-        torch.optim.SGD's step on g = φ − m (see the module docstring)."""
+    def momentum(self, server_round: int) -> float:
+        """The outer momentum of gossip round `server_round` (from 1): ``outer_momentum``, warmed up over
+        ``outer_momentum_warmup_rounds`` (crossdc.lr_schedule.warmed_up, as DiLoCo's)."""
+        return warmed_up(float(self.params["outer_momentum"]), server_round - 1,
+                         int(self.params["outer_momentum_warmup_rounds"]))
+
+    def outer_step(self, outer: Arrays, mixed: Arrays, buffer: Arrays | None,
+                   server_round: int = 1) -> tuple[dict[str, np.ndarray], dict[str, np.ndarray]]:
+        """(φ', momentum') from a replica's outer weights φ, its mix m and its momentum (None before its first step)
+        in gossip round `server_round`: torch.optim.SGD's step on g = φ − m (see the module docstring)."""
         gradient = {n: np.asarray(outer[n], np.float32) - np.asarray(mixed[n], np.float32) for n in outer}
-        return nesterov_sgd_step(outer, gradient, buffer, float(self.params["outer_lr"]),
-                                 float(self.params["outer_momentum"]), nesterov=bool(self.params["nesterov"]))
+        return nesterov_sgd_step(outer, gradient, buffer, float(self.params["outer_lr"]), self.momentum(server_round),
+                                 nesterov=bool(self.params["nesterov"]))
 
     def round_metrics(self, server_round: int, updates: Any) -> dict[str, Any]:
         return {"topology": self.params["topology"]}

@@ -27,7 +27,7 @@ class SparseLoCo(DiLoCo):
 
     name = "sparseloco"
     parameters = {
-        **{k: v for k, v in DiLoCo.parameters.items() if k != "outer_momentum"},
+        **{k: v for k, v in DiLoCo.parameters.items() if k not in ("outer_momentum", "outer_momentum_warmup_rounds")},
         "outer_lr": Parameter(float, 1.0, "outer (server) learning rate on the mean of the sent updates", low=0.0),
     }
 
