@@ -10,8 +10,9 @@ Families and what each gets swept (chosen: the lowest final validation loss):
 - all-workers (one datacenter, batch 128): the learning rate, around the batch-32 one scaled up (batch 4×);
 - sequential (one worker, batch 32, 4× the steps): the learning rate;
 - FedAvg (crossdc's, τ warm-up): the inner learning rate (Flower's FedAvg row, DGC and FedBuff take the chosen one);
-- DiLoCo: the outer (learning rate, momentum) at the inner learning rate 3e-3 (Streaming DiLoCo and gossip, which
-  apply the same outer Nesterov step, take the chosen pair);
+- DiLoCo: the outer (learning rate, momentum) at the inner learning rate 3e-3, each with the benchmark's outer
+  momentum warm-up over the first half of the rounds (Streaming DiLoCo and gossip, which apply the same outer
+  Nesterov step, take the chosen pair and the warm-up);
 - SparseLoCo: chunk density (chunked top-k k of 4096) and outer learning rate.
 Tuning on the validation set the benchmark then reports is optimistic for every row alike; the benchmark's other
 seeds (1, 2) are not used here.

@@ -163,12 +163,15 @@ def test_every_row_runs_at_the_tiny_size(bench, tmp_path: Path) -> None:
     (tmp_path / "wan_benchmark-tiny.md").unlink()
     assert bench.report(json.loads((tmp_path / "wan_benchmark-raw-tiny.json").read_text()), tmp_path)["table_markdown"] \
         == written["table_markdown"]
-    # one row measured again in place of the first run's, the others kept as measured; the report says which
-    again = bench.rerun("tiny", tmp_path, ["fedavg-warmup"])
-    assert again["remeasured"][0]["rows"] == ["fedavg-warmup"] and "(`--rerun`)" in again["table_markdown"]
+    # rows measured again in place of the first run's (a calibrated row with its calibration), the others kept as
+    # measured; the report says which
+    again = bench.rerun("tiny", tmp_path, ["fedavg-warmup", "diloco"])
+    assert again["remeasured"][0]["rows"] == ["fedavg-warmup", "diloco"] and "(`--rerun`)" in again["table_markdown"]
     kept = {r["key"]: r for r in again["rows"]}
-    assert list(kept) == list(rows) and kept["diloco"]["wall_s"] == rows["diloco"]["wall_s"]
-    assert kept["fedavg-warmup"]["benchmark_wall_s"] != rows["fedavg-warmup"]["benchmark_wall_s"]
+    assert list(kept) == list(rows) and kept["gossip"]["benchmark_wall_s"] == rows["gossip"]["benchmark_wall_s"]
+    for key in ("fedavg-warmup", "diloco", "diloco-inprocess"):
+        assert kept[key]["benchmark_wall_s"] != rows[key]["benchmark_wall_s"], key
+    assert [c["row"] for c in again["calibration"]] == ["diloco"]
     with pytest.raises(SystemExit, match="--rerun takes row keys"):
         bench.rerun("tiny", tmp_path, ["no-such-row"])
 
