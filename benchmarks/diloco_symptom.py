@@ -10,6 +10,8 @@ Nesterov momentum 0.9) at τ = 50 and τ = 10. Row sets (``--rows``):
   parts, and FedAvg at τ = 10;
 - ``outer step``: DiLoCo τ = 10 with momentum 0.5, and with momentum 0.9 over an inner lr divided by the 7× the
   momentum's outer step settles at.
+- ``momentum warm-up``: DiLoCo (0.7, 0.9) at τ = 50 and 10 with its outer momentum warmed up over the first half of
+  the rounds.
 crossdc's FedAvg and DiLoCo give a plain torch loop's weights round by round (tests/test_reference_loops.py), so these
 runs use crossdc's in-process driver (crossdc.testing.InProcessFederation, the deployed code paths minus the
 transport). One seed (0).
@@ -18,7 +20,7 @@ Reported per row: the validation loss after 50, 150 and 400 inner steps per data
 datacenters' updates (the mean cosine between one datacenter's update and the average of the others' in the first
 round) and each datacenter's own model's validation loss after round 1, before the average.
 
-Usage: python benchmarks/diloco_symptom.py [--rows partition settings "outer step"] [--jobs 2]
+Usage: python benchmarks/diloco_symptom.py [--rows partition settings "outer step" "momentum warm-up"] [--jobs 2]
        [--out benchmarks/results/diloco_symptom.json]   (rows not run are kept from --out)
 """
 
@@ -66,6 +68,9 @@ ROW_SETS: dict[str, list[tuple[str, str, int, dict[str, Any], str]]] = {
     # is it the outer step's size? a smaller momentum, or the inner lr scaled down by what the momentum multiplies
     "outer step": [("natural", "diloco", 10, {"outer_lr": 0.7, "outer_momentum": 0.5}, "defaults"),
                    ("natural", "diloco", 10, PAPER, "inner lr / 7")],
+    # the paper's pair with its momentum warmed up over the first half of the rounds (the WAN benchmark's recipe)
+    "momentum warm-up": [("natural", "diloco", tau, {**PAPER, "outer_momentum_warmup_rounds": INNER_STEPS // tau // 2},
+                          "defaults") for tau in (50, 10)],
 }
 
 
@@ -128,7 +133,9 @@ def markdown(rows: list[dict[str, Any]]) -> str:
              "| --- | --- | --- | ---: | ---: | ---: | ---: |"]
     for r in rows:
         outer = f"({r['params'].get('outer_lr', 0.7):g}, {r['params'].get('outer_momentum', 0.9):g})"
-        name = f"{'FedAvg' if r['strategy'] == 'fedavg' else f'DiLoCo {outer}'} τ = {r['tau']}"
+        warmup = r["params"].get("outer_momentum_warmup_rounds")
+        name = (f"{'FedAvg' if r['strategy'] == 'fedavg' else f'DiLoCo {outer}'} τ = {r['tau']}"
+                + (f", momentum warm-up {warmup} rounds" if warmup else ""))
         v = {int(k): loss for k, loss in r["val_loss"].items()}
         lines.append(f"| {r['partition']} | {r.get('settings', 'defaults')} | {name} | {v.get(50, float('nan')):.3f} | "
                      f"{v[150]:.3f} | {v[400]:.3f} | {r['first_round_update_cosine']:.3f} |")
