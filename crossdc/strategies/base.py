@@ -234,6 +234,14 @@ class Strategy(ABC):
         again in every trainer), with :attr:`params`, :attr:`schedule` and :attr:`run` already set; an override
         calls ``super().check_run(run)``."""
 
+    def check_within_run(self, run: RunInfo, *names: str) -> None:
+        """StrategyError for any of the parameters `names` this strategy has (counts of rounds, such as a warm-up's)
+        that is longer than the run's rounds; nothing when the run's length is not known."""
+        for name in names:
+            if name in self.params and run.rounds and int(self.params[name]) > run.rounds:
+                raise StrategyError(f"strategy '{self.name}': {name} ({self.params[name]}) is longer than the run "
+                                    f"({run.rounds} rounds)")
+
     def setup(self) -> None:  # noqa: B027 (a hook: nothing by default)
         """Create the strategy's own state; called last by the constructor, with :attr:`params`, :attr:`schedule`,
         :attr:`run` and the robust aggregation set. Nothing by default (state may also be a class-level default,

@@ -64,10 +64,7 @@ class DiLoCo(Strategy):
         if float(self.params["outer_min_lr"]) > float(self.params["outer_lr"]):
             raise StrategyError(f"strategy '{self.name}': outer_min_lr ({self.params['outer_min_lr']:g}) is above "
                                 f"outer_lr ({self.params['outer_lr']:g})")
-        for warmup in ("outer_warmup_rounds", "outer_momentum_warmup_rounds"):
-            if run.rounds and int(self.params.get(warmup, 0)) > run.rounds:
-                raise StrategyError(f"strategy '{self.name}': {warmup} ({self.params[warmup]}) is longer than the run "
-                                    f"({run.rounds} rounds)")
+        self.check_within_run(run, "outer_warmup_rounds", "outer_momentum_warmup_rounds")
         super().check_run(run)
 
     def outer_lr(self) -> float:

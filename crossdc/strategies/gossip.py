@@ -83,10 +83,7 @@ class Gossip(Strategy):
         if self.schedule.start != self.schedule.end:
             raise StrategyError(f"strategy '{self.name}' needs a constant tau (the inner steps of every gossip round), "
                                 f"got a schedule from {self.schedule.start} to {self.schedule.end}")
-        if run.rounds and int(self.params["outer_momentum_warmup_rounds"]) > run.rounds:
-            raise StrategyError(f"strategy '{self.name}': outer_momentum_warmup_rounds "
-                                f"({self.params['outer_momentum_warmup_rounds']}) is longer than the run "
-                                f"({run.rounds} rounds)")
+        self.check_within_run(run, "outer_momentum_warmup_rounds")
         topology = self.params["topology"]
         if run.codecs and topology not in FIXED_TOPOLOGIES:
             raise StrategyError(f"strategy '{self.name}': compressed exchanges ([compression] codecs) need a fixed "
@@ -131,7 +128,7 @@ class Gossip(Strategy):
                          int(self.params["outer_momentum_warmup_rounds"]))
 
     def outer_step(self, outer: Arrays, mixed: Arrays, buffer: Arrays | None,
-                   server_round: int = 1) -> tuple[dict[str, np.ndarray], dict[str, np.ndarray]]:
+                   server_round: int) -> tuple[dict[str, np.ndarray], dict[str, np.ndarray]]:
         """(φ', momentum') from a replica's outer weights φ, its mix m and its momentum (None before its first step)
         in gossip round `server_round`: torch.optim.SGD's step on g = φ − m (see the module docstring)."""
         gradient = {n: np.asarray(outer[n], np.float32) - np.asarray(mixed[n], np.float32) for n in outer}
