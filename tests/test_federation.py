@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import signal
 import subprocess
 import sys
@@ -9,8 +10,9 @@ import time
 from pathlib import Path
 
 import pytest
-from conftest import COMM_SOURCE, interruptible, processes_mentioning, read_run
+from conftest import COMM_SOURCE, client_app_altering_replies, interruptible, processes_mentioning, read_run
 
+from crossdc.clients import client_app as real
 from crossdc.db.engine import make_engine
 from crossdc.db.queries import get_run, list_rounds, parse_flower_run_ids
 from crossdc.experiment.config import load_config, with_rounds
@@ -128,7 +130,11 @@ def test_ctrl_c_stops_everything_and_marks_the_run_interrupted(tmp_path: Path) -
 
 
 @pytest.mark.timeout(300)
-def test_simulation_engine_runs_the_same_apps(tmp_path: Path) -> None:
+def test_simulation_engine_runs_the_same_apps(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    def note_niceness(datacenter: str, reply: object) -> None:  # runs in the ClientApp's Ray actor
+        (tmp_path / f"niceness-{datacenter}").write_text(str(os.nice(0)))
+
+    monkeypatch.setattr(real, "app", client_app_altering_replies(note_niceness))
     db_url = f"sqlite:///{tmp_path / 'sim.db'}"
     config = load_config(CONFIG)
     result = run_local(config, LocalRunOptions(db_url=db_url, engine="simulation", runs_root=tmp_path / "runs"))
@@ -140,6 +146,9 @@ def test_simulation_engine_runs_the_same_apps(tmp_path: Path) -> None:
     assert all(r["comm_s"] is None for r in dc_rounds)  # no link under simulation: not measured, not invented
     assert rounds[-1]["val_loss"] < rounds[0]["val_loss"]
     assert [pid for pid in result.child_pids if is_running(pid)] == []
+    # Ray's default (nice 15) starves the ClientApps on a busy host; they run at the trainers' priority
+    assert {path.name: path.read_text() for path in tmp_path.glob("niceness-*")} == \
+        {"niceness-us-east": str(os.nice(0)), "niceness-eu-west": str(os.nice(0))}
 
 
 WAN_CONFIG = """

@@ -93,6 +93,11 @@ SERVERAPP_CHECK_S = 2.0
 #: how many times a gossip run submits its ServerApp again after it died
 MAX_COORDINATOR_RESTARTS = 3
 FLOWER_APP_TEMPLATE = Path(__file__).with_name("flower_app") / "pyproject.toml"
+#: Ray runs its workers (Flower's ClientApp actors) at nice 15 by default; beside the datacenters' trainers and anything
+# else busy on the host they then get a few percent of a core, and a ClientApp that answers in milliseconds on an idle
+# machine took minutes to answer its first message (the run's discovery timed out). The actors only relay to the
+# trainers, so they run at the trainers' priority.
+RAY_SYSTEM_CONFIG: dict[str, Any] = {"worker_niceness": 0}
 
 ProgressCallback = Callable[[list[dict[str, Any]]], None]
 
@@ -639,7 +644,8 @@ class LocalRun:
                 client_app=client_app,
                 num_supernodes=len(self.config.datacenters),
                 backend_config={"client_resources": {"num_cpus": 1, "num_gpus": 0.0},
-                                "init_args": {"num_cpus": actors, "include_dashboard": False}},
+                                "init_args": {"num_cpus": actors, "include_dashboard": False,
+                                              "_system_config": RAY_SYSTEM_CONFIG}},
             )
         except SystemExit as exit_:  # Flower ends the process on some errors (e.g. missing simulation extras)
             raise RunFailed(f"Flower's simulation engine exited with code {exit_.code}; see the log above") from None
