@@ -6,7 +6,8 @@ row (gradient clipping at 1.0, warm-up over 5 % of the steps, cosine decay to a 
 datacenter on the `transoceanic` link profile (100 Mbps, 150 ms RTT; every datacenter pair too, for gossip and
 synchronous data parallel). Budget: the same number of gradient computations for every method — STEPS local steps
 of batch 32 per datacenter (2,000 in the full size: 40 rounds at τ = 50, 2,000 rounds at τ = 1), 4 × STEPS batches in
-all (the asynchronous row: 4 × STEPS / τ updates of τ steps, whoever computes them).
+all (the asynchronous row: 4 × STEPS / τ updates of τ steps, whoever computes them). Two DiLoCo rows ("-short")
+synchronise every Size.short_tau steps instead (200 rounds at τ = 10), for 5× the rounds of the τ = 50 rows.
 
 Tuned settings: benchmarks/wan_tuning.py sweeps each family's key hyper-parameter on this budget (three settings
 each) and writes wan_tuning[-size].json; this benchmark reads the chosen settings (the JSON's `tuning` says which,
@@ -50,7 +51,8 @@ goals (loss_gap, bytes_ratio, wall_over_compute, beats_flower), each for the row
 
 Usage: make bench-wan, or python benchmarks/wan_benchmark.py [--size full|medium|tiny] [--jobs 2] [--out DIR]
 [--report-only: remake the report from the last run's wan_benchmark-raw[-size].json, running nothing]
-[--rerun ROW ...: measure these rows again in place of the last run's, keep the others; the report says so]
+[--rerun ROW ...: measure these rows (or add new ones) in place of the last run's, keep the others; the report says
+so]
 Writes wan_benchmark[-size].json, .md and .html (plotly: validation loss vs bytes and vs time, the Pareto front).
 """
 
@@ -133,6 +135,8 @@ class Size:
     seeds: int = 3
     #: deployed rows and the sync-dp stretch run alone (they time the WAN); False: beside the others (a smoke test)
     deployed_alone: bool = True
+    #: the τ of the rows that synchronise more often than Size.tau (the DiLoCo rows "-short")
+    short_tau: int = 10
 
 
 SIZES = {
@@ -142,7 +146,7 @@ SIZES = {
     "medium": Size(steps=800, tau=50, tau_warmup_start=10, tau_warmup_rounds=4, dgc_warmup_rounds=100,
                    eval_every_steps=50),
     "tiny": Size(steps=2, tau=2, tau_warmup_start=2, tau_warmup_rounds=0, dgc_warmup_rounds=1, eval_every_steps=2,
-                 sync_dp_rounds=2, sync_dp_tau=2, deployed=("diloco",), seeds=2, deployed_alone=False),
+                 sync_dp_rounds=2, sync_dp_tau=2, deployed=("diloco",), seeds=2, deployed_alone=False, short_tau=1),
 }
 
 
@@ -155,7 +159,8 @@ class Method:
     engine: str  # "crossdc" (deployed or in-process, as the size says), "flower" (plain Flower, always deployed)
     strategy: str = "fedavg"
     params: dict[str, Any] = field(default_factory=dict)
-    tau: str = "fixed"  # "fixed" (Size.tau), "warmup" (Size.tau_warmup_start → Size.tau), "one" (τ = 1)
+    #: "fixed" (Size.tau), "warmup" (Size.tau_warmup_start → Size.tau), "one" (τ = 1), "short" (Size.short_tau)
+    tau: str = "fixed"
     codecs: tuple[str, ...] = ()
     downlink_codecs: tuple[str, ...] = ()
     optimizer: str = "adamw"
@@ -198,9 +203,9 @@ def read_tuning(size_name: str) -> tuple[dict[str, dict[str, Any]], str]:
     return data["chosen"], f"{path.relative_to(RESULTS.parent.parent)} ({data.get('date', 'undated')})"
 
 
-def momentum_warmup_rounds(size: Size) -> int:
-    """The rounds over which a DiLoCo-family row's outer momentum rises to its value: half of a τ = Size.tau run's."""
-    return size.steps // size.tau // 2
+def momentum_warmup_rounds(size: Size, tau: int) -> int:
+    """The rounds over which a DiLoCo-family row's outer momentum rises to its value: half of a τ = `tau` run's."""
+    return size.steps // tau // 2
 
 
 def method_catalogue(size: Size, tuned: dict[str, dict[str, Any]] | None = None) -> dict[str, Method]:
@@ -209,7 +214,10 @@ def method_catalogue(size: Size, tuned: dict[str, dict[str, Any]] | None = None)
     fedavg_lr = float(tuned.get("fedavg", {}).get("lr", ADAMW_LR))
     # every DiLoCo-family row warms its outer momentum up over the first half of its rounds (the tuning sweeps the
     # pair with it); measured at τ = 50: the paper's (0.7, 0.9) 1.719 without, 1.614 over 10 of 40, 1.586 over 20
-    outer = {**DILOCO, "outer_momentum_warmup_rounds": momentum_warmup_rounds(size), **tuned.get("diloco", {})}
+    outer = {**DILOCO, "outer_momentum_warmup_rounds": momentum_warmup_rounds(size, size.tau), **tuned.get("diloco", {})}
+    # the same outer step at τ = Size.short_tau, warmed up over half of its (more) rounds; measured on the tau probe
+    # (benchmarks/wan_tau_probe.py, seed 0): 1.540 at τ = 10, 1.561 at τ = 25, 1.586 at τ = 50
+    outer_short = {**outer, "outer_momentum_warmup_rounds": momentum_warmup_rounds(size, size.short_tau)}
     sparse = {**SPARSELOCO, **tuned.get("sparseloco", {})}
     outer_text = f"outer Nesterov ({outer['outer_lr']:g}, {outer['outer_momentum']:g})"
     streaming = {"fragments": 2, "overlap": max(1, size.tau // 2), "alpha": 0.5, **outer}
@@ -225,13 +233,17 @@ def method_catalogue(size: Size, tuned: dict[str, dict[str, Any]] | None = None)
         Method("diloco", f"crossdc DiLoCo ({outer_text}), τ = {size.tau}", "crossdc", "diloco", outer),
         Method("diloco-int8", f"crossdc DiLoCo + int8 (up and down), τ = {size.tau}", "crossdc", "diloco", outer,
                codecs=("int8",), downlink_codecs=("int8",)),
+        Method("diloco-short", f"crossdc DiLoCo ({outer_text}), τ = {size.short_tau}", "crossdc", "diloco", outer_short,
+               tau="short"),
+        Method("diloco-int8-short", f"crossdc DiLoCo + int8 (up and down), τ = {size.short_tau}", "crossdc", "diloco",
+               outer_short, tau="short", codecs=("int8",), downlink_codecs=("int8",)),
         Method("streaming-diloco", f"crossdc Streaming DiLoCo (P = 2, τ_o = {streaming['overlap']}, α = 0.5), fp32, "
                f"H = {size.tau}", "crossdc", "streaming-diloco", streaming),
         Method("streaming-diloco-int4", f"crossdc Streaming DiLoCo as above, 4-bit outer gradients, H = {size.tau}",
                "crossdc", "streaming-diloco", streaming, codecs=("int4",)),
         Method("sparseloco", f"crossdc SparseLoCo (chunk top-k {int(sparse['chunk_k'])}/4096 + 2-bit up, "
                f"{4 * int(sparse['chunk_k'])}/4096 + 4-bit down, outer lr {sparse['outer_lr']:g}), τ = {size.tau}",
-               "crossdc", "sparseloco", {"outer_lr": sparse["outer_lr"]}, codecs=sparse_codecs,
+               "crossdc", "sparseloco", {k: v for k, v in sparse.items() if k != "chunk_k"}, codecs=sparse_codecs,
                downlink_codecs=sparse_down),
         Method("gossip", f"crossdc gossip (random pairs, {outer_text}), τ = {size.tau}", "crossdc", "gossip",
                {"topology": "random-pairs", "nesterov": True, **outer}),
@@ -256,6 +268,8 @@ def tau_spec(method: Method, size: Size) -> int | dict[str, int]:
         return 1
     if method.tau == "warmup":
         return {"start": size.tau_warmup_start, "end": size.tau, "warmup_rounds": size.tau_warmup_rounds}
+    if method.tau == "short":
+        return size.short_tau
     return size.tau
 
 
@@ -690,6 +704,12 @@ def seed_rows(rows: list[dict[str, Any]]) -> list[str]:
     return ["all-workers", *(r["key"] for r in best)]
 
 
+def repeated_after_rerun(done: list[dict[str, Any]], repeated: list[str], keys: list[str]) -> list[str]:
+    """The rows repeated over seeds once the rows `keys` were measured again (`done`: every row's seed-0 run): the
+    last run's, and any of `keys` that is now one of the two best crossdc rows."""
+    return [*repeated, *(k for k in seed_rows(done) if k in keys and k not in repeated)]
+
+
 def seed_spread(losses: list[float]) -> dict[str, Any]:
     """Median and range of a row's final losses over its seeds."""
     return {"median": statistics.median(losses), "min": min(losses), "max": max(losses), "seeds": len(losses)}
@@ -747,8 +767,13 @@ def markdown(rows: list[dict[str, Any]], size_name: str, size: Size, link: LinkS
     failures = [f"- {r['key']} failed: {r['failed']}" for r in rows if r.get("failed")]
     if failures:
         failures = ["", "Rows that did not complete (left out of the goals):", *failures]
-    failures += [line for m in remeasured or [] for line in
-                 ("", f"Measured again on {m['date']} (`--rerun`), the other rows as first measured: {', '.join(m['rows'])}.")]
+    for m in remeasured or []:
+        again = [k for k in m["rows"] if k not in m.get("added", [])]
+        if again:
+            failures += ["", f"Rows measured again on {m['date']} (`--rerun`; every other row as first measured): "
+                             f"{', '.join(again)}."]
+        if m.get("added"):
+            failures += ["", f"Rows added on {m['date']} (`--rerun`): {', '.join(m['added'])}."]
     return "\n".join(lines + failures + ["", "◆: on the Pareto front (loss, bytes, time) of the federated rows.", "",
                                          "Goals (each for the row that does best on it):",
                                          *(_goal_line(g) for g in goals)])
@@ -972,10 +997,11 @@ def run(size_name: str, out: Path, only: list[str] | None = None, jobs: int = 2,
 def rerun(size_name: str, out: Path, keys: list[str], jobs: int = 2, threads: int = 1) -> dict[str, Any]:
     """Measure the rows `keys` again (seed 0, and their other seeds where the last run repeated them), put them in
     place of the last run's in wan_benchmark-raw[-size].json, and remake the report. Every other row, the sync-dp
-    stretch, the calibration and which rows are repeated stay as the last run measured them; the raw file's
+    stretch, the calibration and the rows repeated over seeds stay as the last run measured them; the raw file's
     `remeasured` (and the report) lists which rows were measured again, when, and why the harness allows it: a row
-    changed (its codecs, how it runs, its tuned settings) without the others changing. A row with an in-process
-    calibration run is calibrated again; the tuned settings recorded are the tuning file's as it is now."""
+    changed (its codecs, how it runs, its tuned settings) or is new, without the others changing. A row measured
+    again that is now one of the two best crossdc rows runs its seeds too (and stays repeated). A row with an
+    in-process calibration run is calibrated again; the tuned settings recorded are the tuning file's as it is now."""
     path = raw_path(size_name, out)
     if not path.exists():
         raise SystemExit(f"--rerun needs the last run's {path}: run the whole benchmark first")
@@ -992,12 +1018,14 @@ def rerun(size_name: str, out: Path, keys: list[str], jobs: int = 2, threads: in
     work += [(k, 0, "in-process") for k in keys if k in calibrated]
     with tempfile.TemporaryDirectory() as tmp:
         done = run_pool(work, size_name, tmp, jobs, threads)
+        raw["done"] = [r for r in raw["done"] if r["key"].removesuffix("-inprocess") not in keys] + done
+        raw["repeated"] = repeated_after_rerun(raw["done"], raw["repeated"], keys)
         extra = run_pool(seed_work([k for k in keys if k in raw["repeated"]], size, catalogue), size_name, tmp, jobs, threads)
-    raw["done"] = [r for r in raw["done"] if r["key"].removesuffix("-inprocess") not in keys] + done
     raw["tuned"], raw["tuning"] = read_tuning(size_name)
     raw["extra"] = [r for r in raw["extra"] if r["key"] not in keys] + extra
+    added = [k for k in keys if k in catalogue and k not in raw["federated"]]
     raw["federated"] = [k for k in catalogue if k in raw["federated"] or k in keys]
-    raw.setdefault("remeasured", []).append({"rows": keys, "date": time.strftime("%Y-%m-%d"),
+    raw.setdefault("remeasured", []).append({"rows": keys, "added": added, "date": time.strftime("%Y-%m-%d"),
                                              "wall_s": time.perf_counter() - started})
     path.write_text(json.dumps(raw))
     return report(raw, out)

@@ -13,6 +13,10 @@ Rows (key, τ, settings over the tuned ones):
 - DiLoCo at τ = 50 with the paper's outer (0.7, 0.9) and an outer learning-rate warm-up over its first 8 of 40
   rounds, constant after it or then a cosine to 0.07 (few outer steps from a random model are where momentum 0.9
   hurts: does a warm-up over a fifth of them rescue it?).
+- the benchmark's DiLoCo recipe (the paper's pair, its momentum warmed up over half the rounds) at τ = 10 (two
+  seeds, and with int8 both ways) and at τ = 25;
+- SparseLoCo with that outer momentum on the mean of what the datacenters sent, at τ = 50 (the tuned density) and
+  τ = 10 (the paper's).
 The τ = 50 figures to compare with are the benchmark's and the tuning's own.
 
 Usage: python benchmarks/wan_tau_probe.py [--only KEY@TAU ...] [--jobs 2]
@@ -57,6 +61,16 @@ ROWS: list[tuple[str, int, dict[str, Any], str]] = [
     ("diloco", 50, {"diloco": {**PAPER_PAIR, "outer_momentum_warmup_rounds": 30}}, "paper-outer-momentum-warmup30"),
     ("diloco", 50, {"diloco": {**PAPER_PAIR, "outer_momentum_warmup_rounds": 40}}, "paper-outer-momentum-warmup40"),
     ("diloco", 50, {"diloco": PAPER_PAIR, "method": {"lr": 1.5e-3}}, "paper-outer-inner-lr1.5e-3"),
+    # the benchmark's DiLoCo recipe (the paper's pair, momentum warmed up over half the rounds) at more frequent syncs
+    *[("diloco", tau, {"diloco": {**PAPER_PAIR, "outer_momentum_warmup_rounds": warmup}},
+       f"paper-outer-momentum-warmup{warmup}") for tau in (10, 25) for warmup in [SIZES["full"].steps // tau // 2]],
+    ("diloco", 10, {"diloco": {**PAPER_PAIR, "outer_momentum_warmup_rounds": 100}, "seed": 1},
+     "paper-outer-momentum-warmup100-seed1"),
+    ("diloco-int8", 10, {"diloco": {**PAPER_PAIR, "outer_momentum_warmup_rounds": 100}}, "paper-outer-momentum-warmup100"),
+    # SparseLoCo with DiLoCo's outer momentum (warmed up over half the rounds) on the mean of the sent updates
+    ("sparseloco", 50, {"sparseloco": {**PAPER_PAIR, "outer_momentum_warmup_rounds": 20}}, "paper-outer-momentum-warmup20"),
+    ("sparseloco", 10, {"sparseloco": {**PAPER_SPARSELOCO["sparseloco"], **PAPER_PAIR, "outer_momentum_warmup_rounds": 100}},
+     "paper-outer-momentum-warmup100"),
 ]
 
 

@@ -104,6 +104,20 @@ def test_sparseloco_steps_on_the_mean_without_momentum() -> None:
     second = strategy.aggregate(2, first, update, mean)
     np.testing.assert_allclose(first["w"], [0.5, -1.0])
     np.testing.assert_allclose(second["w"] - first["w"], [0.5, -1.0])  # no momentum: the same step again
+    assert strategy.state_dict()["momentum_buffer"] is None
+
+
+def test_sparseloco_may_add_outer_nesterov_momentum_on_the_mean() -> None:
+    params = {"outer_lr": 0.5, "outer_momentum": 0.9, "outer_momentum_warmup_rounds": 2}
+    strategy = build_strategy(parse_config(_config(["chunk-topk:64:decay=0.95", "int2"], params=params)))
+    weights = {"w": np.zeros(2, np.float32)}
+    mean = {"w": np.array([1.0, -2.0], np.float32)}
+    update = [ClientUpdate(datacenter="a", delta=mean, num_examples=1)]
+    first = strategy.aggregate(1, weights, update, mean)
+    second = strategy.aggregate(2, first, update, mean)
+    # torch SGD(nesterov) on the pseudo-gradient g = -mean: b = g, step lr (g + 0.45 b); then b = 0.9 b + g
+    np.testing.assert_allclose(first["w"], 0.5 * 1.45 * np.array([1.0, -2.0]), rtol=1e-6)
+    np.testing.assert_allclose(second["w"] - first["w"], 0.5 * (1 + 0.9 * 1.9) * np.array([1.0, -2.0]), rtol=1e-6)
 
 
 def test_a_short_sparseloco_run_learns_and_sends_little(tmp_path: Path) -> None:

@@ -166,7 +166,8 @@ def test_every_row_runs_at_the_tiny_size(bench, tmp_path: Path) -> None:
     # rows measured again in place of the first run's (a calibrated row with its calibration), the others kept as
     # measured; the report says which
     again = bench.rerun("tiny", tmp_path, ["fedavg-warmup", "diloco"])
-    assert again["remeasured"][0]["rows"] == ["fedavg-warmup", "diloco"] and "(`--rerun`)" in again["table_markdown"]
+    assert again["remeasured"][0]["rows"] == ["fedavg-warmup", "diloco"] and again["remeasured"][0]["added"] == []
+    assert "Rows measured again on" in again["table_markdown"] and "Rows added on" not in again["table_markdown"]
     kept = {r["key"]: r for r in again["rows"]}
     assert list(kept) == list(rows) and kept["gossip"]["benchmark_wall_s"] == rows["gossip"]["benchmark_wall_s"]
     for key in ("fedavg-warmup", "diloco", "diloco-inprocess"):
@@ -174,6 +175,15 @@ def test_every_row_runs_at_the_tiny_size(bench, tmp_path: Path) -> None:
     assert [c["row"] for c in again["calibration"]] == ["diloco"]
     with pytest.raises(SystemExit, match="--rerun takes row keys"):
         bench.rerun("tiny", tmp_path, ["no-such-row"])
+    # a row the last run did not have is added, and the report says so
+    raw_file = tmp_path / "wan_benchmark-raw-tiny.json"
+    raw = json.loads(raw_file.read_text())
+    raw["federated"].remove("diloco-short")
+    raw["done"] = [r for r in raw["done"] if r["key"] != "diloco-short"]
+    raw_file.write_text(json.dumps(raw))
+    added = bench.rerun("tiny", tmp_path, ["diloco-short"])
+    assert added["remeasured"][-1]["added"] == ["diloco-short"] and "Rows added on" in added["table_markdown"]
+    assert [r["key"] for r in added["rows"]] == list(rows)
 
 
 def test_a_diverging_row_is_recorded_with_the_rounds_it_completed(bench, tmp_path: Path) -> None:
@@ -192,6 +202,18 @@ def _row(key: str, loss: float, bytes_: int, tau: int = 2, wall: float = 2.0, co
             "overhead_s": 0.5, "bytes": bytes_, "steps": 4, "curve": curve, "per_round": [{"tau": tau}],
             "utilisation": [compute / wall], "exposed_comm_comp": (wall - compute) / compute, "peak_sync_bytes": bytes_,
             "projected_comm_comp_ratio": None, **extra}
+
+
+def test_a_row_measured_again_runs_its_seeds_once_it_is_one_of_the_two_best(bench) -> None:
+    done = [_row("all-workers", 1.50, 0), _row("sequential", 1.49, 0), _row("flower-fedavg", 1.40, 9),
+            _row("diloco", 1.59, 9), _row("gossip", 1.60, 9), _row("diloco-short", 1.54, 9), _row("fedbuff-slow", 1.55, 9),
+            {**_row("diloco-inprocess", 1.30, 9), "calibration": True}]
+    repeated = ["all-workers", "diloco", "gossip"]
+    # the new rows measured: diloco-short is now one of the two best (fedbuff-slow is too, but was not measured again)
+    assert bench.repeated_after_rerun(done, repeated, ["diloco-short"]) == [*repeated, "diloco-short"]
+    assert bench.repeated_after_rerun(done, repeated, ["gossip"]) == repeated  # already repeated: once
+    assert bench.repeated_after_rerun(done, repeated, ["diloco-short", "fedbuff-slow"]) == \
+        [*repeated, "diloco-short", "fedbuff-slow"]
 
 
 def test_a_failed_row_is_reported_and_left_out_of_the_goals(bench) -> None:

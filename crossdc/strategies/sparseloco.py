@@ -10,7 +10,9 @@ refused before it starts. The inner optimizer is AdamW, as for DiLoCo.
 
 Server: x ← x + outer_lr · mean_i(ŷ_i − x), the example-weighted mean of the decoded (sparse, quantised) updates
 — DiLoCo's outer SGD with momentum 0, since the decaying residual on each datacenter plays the role of DiLoCo's outer
-momentum. The outer learning rate may follow DiLoCo's outer schedule. Defaults: outer lr 1 (the paper's).
+momentum. The outer learning rate may follow DiLoCo's outer schedule. Defaults: outer lr 1, no momentum (the paper's).
+``outer_momentum`` > 0 adds DiLoCo's outer Nesterov momentum on that mean (with its warm-up,
+``outer_momentum_warmup_rounds``), a variant beyond the paper for runs with few outer steps.
 """
 
 from __future__ import annotations
@@ -27,8 +29,10 @@ class SparseLoCo(DiLoCo):
 
     name = "sparseloco"
     parameters = {
-        **{k: v for k, v in DiLoCo.parameters.items() if k not in ("outer_momentum", "outer_momentum_warmup_rounds")},
+        **DiLoCo.parameters,
         "outer_lr": Parameter(float, 1.0, "outer (server) learning rate on the mean of the sent updates", low=0.0),
+        "outer_momentum": Parameter(float, 0.0, "outer Nesterov momentum μ on the mean of the sent updates (0, the "
+                                    "paper's: the datacenters' error feedback stands in for it)", low=0.0, high=0.999),
     }
 
     def check_run(self, run: RunInfo) -> None:
@@ -37,6 +41,3 @@ class SparseLoCo(DiLoCo):
             raise StrategyError(f"strategy '{self.name}' needs a chunked top-k uplink: [compression] codecs = "
                                 f"[\"chunk-topk:64:decay=0.95\", \"int2\"] (got {list(run.codecs) or 'none'})")
         super().check_run(run)
-
-    def momentum(self) -> float:
-        return 0.0
