@@ -100,7 +100,9 @@ SGD_LR = 0.3
 #: DiLoCo's outer step before tuning (the one the medium-size benchmarks used)
 DILOCO = {"outer_lr": 0.7, "outer_momentum": 0.5}
 #: SparseLoCo before tuning: chunked top-k k of every 4096 values, outer learning rate
-SPARSELOCO = {"chunk_k": 64, "outer_lr": 1.0}
+SPARSELOCO = {"chunk_k": 64, "outer_lr": 1.0, "decay": 0.95}
+#: the SparseLoCo settings that configure its uplink codec (the rest are the strategy's parameters)
+SPARSELOCO_CODEC_KEYS = ("chunk_k", "decay")
 #: the asynchronous row: this datacenter computes 4× slower than the others
 SLOW_DATACENTER = "sa-east"
 SLOW_SPEED = 0.25
@@ -221,7 +223,7 @@ def method_catalogue(size: Size, tuned: dict[str, dict[str, Any]] | None = None)
     sparse = {**SPARSELOCO, **tuned.get("sparseloco", {})}
     outer_text = f"outer Nesterov ({outer['outer_lr']:g}, {outer['outer_momentum']:g})"
     streaming = {"fragments": 2, "overlap": max(1, size.tau // 2), "alpha": 0.5, **outer}
-    sparse_codecs = (f"chunk-topk:{int(sparse['chunk_k'])}:decay=0.95", "int2")
+    sparse_codecs = (f"chunk-topk:{int(sparse['chunk_k'])}:decay={float(sparse['decay']):g}", "int2")
     # down: the mean of 4 datacenters' selections has at most 4 k entries per chunk; 4-bit values (the reference's
     # error feedback carries what the rounding leaves to the next round)
     sparse_down = (f"chunk-topk:{4 * int(sparse['chunk_k'])}", "int4")
@@ -243,7 +245,7 @@ def method_catalogue(size: Size, tuned: dict[str, dict[str, Any]] | None = None)
                "crossdc", "streaming-diloco", streaming, codecs=("int4",)),
         Method("sparseloco", f"crossdc SparseLoCo (chunk top-k {int(sparse['chunk_k'])}/4096 + 2-bit up, "
                f"{4 * int(sparse['chunk_k'])}/4096 + 4-bit down, outer lr {sparse['outer_lr']:g}), τ = {size.tau}",
-               "crossdc", "sparseloco", {k: v for k, v in sparse.items() if k != "chunk_k"}, codecs=sparse_codecs,
+               "crossdc", "sparseloco", {k: v for k, v in sparse.items() if k not in SPARSELOCO_CODEC_KEYS}, codecs=sparse_codecs,
                downlink_codecs=sparse_down),
         Method("gossip", f"crossdc gossip (random pairs, {outer_text}), τ = {size.tau}", "crossdc", "gossip",
                {"topology": "random-pairs", "nesterov": True, **outer}),

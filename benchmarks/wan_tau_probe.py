@@ -16,7 +16,7 @@ Rows (key, τ, settings over the tuned ones):
 - the benchmark's DiLoCo recipe (the paper's pair, its momentum warmed up over half the rounds) at τ = 10 (two
   seeds, and with int8 both ways) and at τ = 25;
 - SparseLoCo with that outer momentum on the mean of what the datacenters sent, at τ = 50 (the tuned density) and
-  τ = 10 (the paper's).
+  τ = 10 (the paper's); at τ = 10, SparseLoCo without the error feedback's decay, and at the tuned density.
 The τ = 50 figures to compare with are the benchmark's and the tuning's own.
 
 Usage: python benchmarks/wan_tau_probe.py [--only KEY@TAU ...] [--jobs 2]
@@ -71,6 +71,9 @@ ROWS: list[tuple[str, int, dict[str, Any], str]] = [
     ("sparseloco", 50, {"sparseloco": {**PAPER_PAIR, "outer_momentum_warmup_rounds": 20}}, "paper-outer-momentum-warmup20"),
     ("sparseloco", 10, {"sparseloco": {**PAPER_SPARSELOCO["sparseloco"], **PAPER_PAIR, "outer_momentum_warmup_rounds": 100}},
      "paper-outer-momentum-warmup100"),
+    # SparseLoCo at τ = 10: plain error feedback (no decay) at the paper's density, and the tuned density (128/4096)
+    ("sparseloco", 10, {"sparseloco": {**PAPER_SPARSELOCO["sparseloco"], "decay": 1.0}}, "no-decay"),
+    ("sparseloco", 10, {}, "tuned-density"),
 ]
 
 
