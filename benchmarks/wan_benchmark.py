@@ -772,8 +772,7 @@ def markdown(rows: list[dict[str, Any]], size_name: str, size: Size, link: LinkS
     for m in remeasured or []:
         again = [k for k in m["rows"] if k not in m.get("added", [])]
         if again:
-            failures += ["", f"Rows measured again on {m['date']} (`--rerun`; every other row as first measured): "
-                             f"{', '.join(again)}."]
+            failures += ["", f"Rows measured again on {m['date']} (`--rerun`): {', '.join(again)}."]
         if m.get("added"):
             failures += ["", f"Rows added on {m['date']} (`--rerun`): {', '.join(m['added'])}."]
     return "\n".join(lines + failures + ["", "◆: on the Pareto front (loss, bytes, time) of the federated rows.", "",

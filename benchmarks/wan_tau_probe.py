@@ -7,7 +7,7 @@ that spend the same 2,000 steps. Every run is in-process with one torch thread a
 validation loss and the bytes each way (the serialised messages, as the benchmark counts them), not time.
 
 Rows (key, τ, settings over the tuned ones):
-- DiLoCo at τ = 10 and 25 with its tuned outer (learning rate, momentum);
+- DiLoCo at τ = 10 and 25 with the outer (learning rate, momentum) tuned before the momentum warm-up, (1, 0.5);
 - crossdc FedAvg at τ = 10 (its τ warm-up starts at 10, so τ is 10 throughout);
 - SparseLoCo at the paper's density (chunked top-k 64 of 4,096, 2-bit values, outer lr 1) at τ = 10 and 25;
 - DiLoCo at τ = 50 with the paper's outer (0.7, 0.9) and an outer learning-rate warm-up over its first 8 of 40
@@ -43,11 +43,13 @@ OUT = RESULTS / "wan_tau_probe.json"
 PAPER_SPARSELOCO = {"sparseloco": {"chunk_k": 64, "outer_lr": 1.0}}
 PAPER_PAIR = {"outer_lr": 0.7, "outer_momentum": 0.9, "outer_momentum_warmup_rounds": 0}
 PAPER_OUTER = {**PAPER_PAIR, "outer_warmup_rounds": 8}
+#: DiLoCo's outer pair as tuned on 2026-12-05 before the momentum warm-up (the first τ = 10 and 25 rows ran with it)
+EARLIER_PAIR = {"outer_lr": 1.0, "outer_momentum": 0.5, "outer_momentum_warmup_rounds": 0}
 #: (row key, τ, settings replacing the tuned ones: family → setting, "method" → fields of the row's Method such
 #: as its inner "lr", or "seed" → the run's seed (0 otherwise); label telling rows of one key and τ apart)
 ROWS: list[tuple[str, int, dict[str, Any], str]] = [
-    ("diloco", 10, {}, ""),
-    ("diloco", 25, {}, ""),
+    ("diloco", 10, {"diloco": EARLIER_PAIR}, ""),
+    ("diloco", 25, {"diloco": EARLIER_PAIR}, ""),
     ("fedavg-warmup", 10, {}, ""),
     ("sparseloco", 10, PAPER_SPARSELOCO, ""),
     ("sparseloco", 25, PAPER_SPARSELOCO, ""),

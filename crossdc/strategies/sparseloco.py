@@ -12,7 +12,8 @@ Server: x ← x + outer_lr · mean_i(ŷ_i − x), the example-weighted mean of t
 — DiLoCo's outer SGD with momentum 0, since the decaying residual on each datacenter plays the role of DiLoCo's outer
 momentum. The outer learning rate may follow DiLoCo's outer schedule. Defaults: outer lr 1, no momentum (the paper's).
 ``outer_momentum`` > 0 adds DiLoCo's outer Nesterov momentum on that mean (with its warm-up,
-``outer_momentum_warmup_rounds``), a variant beyond the paper for runs with few outer steps.
+``outer_momentum_warmup_rounds``), a variant beyond the paper for experiments (measured worse on the WAN benchmark's
+setting, see docs/strategies.md).
 """
 
 from __future__ import annotations
