@@ -16,7 +16,8 @@ Rows (key, τ, settings over the tuned ones):
 - the benchmark's DiLoCo recipe (the paper's pair, its momentum warmed up over half the rounds) at τ = 10 (two
   seeds, and with int8 both ways) and at τ = 25;
 - SparseLoCo with that outer momentum on the mean of what the datacenters sent, at τ = 50 (the tuned density) and
-  τ = 10 (the paper's); at τ = 10, SparseLoCo without the error feedback's decay, and at the tuned density.
+  τ = 10 (the paper's); at τ = 10, SparseLoCo without the error feedback's decay, at the tuned density (with and
+  without the decay), and at the tuned density with a dense (fp32) downlink.
 The τ = 50 figures to compare with are the benchmark's and the tuning's own.
 
 Usage: python benchmarks/wan_tau_probe.py [--only KEY@TAU ...] [--jobs 2]
@@ -76,6 +77,9 @@ ROWS: list[tuple[str, int, dict[str, Any], str]] = [
     # SparseLoCo at τ = 10: plain error feedback (no decay) at the paper's density, and the tuned density (128/4096)
     ("sparseloco", 10, {"sparseloco": {**PAPER_SPARSELOCO["sparseloco"], "decay": 1.0}}, "no-decay"),
     ("sparseloco", 10, {}, "tuned-density"),
+    ("sparseloco", 10, {"sparseloco": {"decay": 1.0}}, "tuned-density-no-decay"),
+    # is it the uplink's selection or the downlink's compression? the same with the global model sent down in fp32
+    ("sparseloco", 10, {"method": {"downlink_codecs": ()}}, "tuned-density-dense-downlink"),
 ]
 
 
@@ -97,7 +101,9 @@ def run_row(key: str, tau: int, override: dict[str, Any], label: str) -> dict[st
     started = time.perf_counter()
     with tempfile.TemporaryDirectory() as where:
         rounds = drive_crossdc(doc, Path(where), size.eval_every_steps)
-    params = {**method.params, **({"inner_lr": method.lr} if "method" in override else {})}
+    changed = override.get("method", {})
+    params = {**method.params, **({"inner_lr": method.lr} if "lr" in changed else {}),
+              **({"downlink": ", ".join(method.downlink_codecs) or "fp32"} if "downlink_codecs" in changed else {})}
     row = {"row": row_id(key, tau, label), "key": key, "tau": tau, "seed": seed, "params": params,
            "codecs": list(method.codecs),
            "rounds": len(rounds), "val_loss": rounds[-1]["val_loss"],
