@@ -17,7 +17,8 @@ Rows (key, τ, settings over the tuned ones):
   seeds, and with int8 both ways) and at τ = 25;
 - SparseLoCo with that outer momentum on the mean of what the datacenters sent, at τ = 50 (the tuned density) and
   τ = 10 (the paper's); at τ = 10, SparseLoCo without the error feedback's decay, at the tuned density (with and
-  without the decay), and at the tuned density with a dense (fp32) downlink.
+  without the decay), and at the tuned density with a dense (fp32) downlink;
+- Streaming DiLoCo (fp32 and 4-bit) at H = 10, its momentum warmed up over half the rounds.
 The τ = 50 figures to compare with are the benchmark's and the tuning's own.
 
 Usage: python benchmarks/wan_tau_probe.py [--only KEY@TAU ...] [--jobs 2]
@@ -80,6 +81,9 @@ ROWS: list[tuple[str, int, dict[str, Any], str]] = [
     ("sparseloco", 10, {"sparseloco": {"decay": 1.0}}, "tuned-density-no-decay"),
     # is it the uplink's selection or the downlink's compression? the same with the global model sent down in fp32
     ("sparseloco", 10, {"method": {"downlink_codecs": ()}}, "tuned-density-dense-downlink"),
+    # Streaming DiLoCo (2 fragments, each merged τ/2 steps after it is sent) at H = 10, with the τ = 10 rows' warm-up
+    *[(key, 10, {"diloco": {"outer_momentum_warmup_rounds": SIZES["full"].steps // 10 // 2}}, "")
+      for key in ("streaming-diloco", "streaming-diloco-int4")],
 ]
 
 
