@@ -18,7 +18,8 @@ Rows (key, τ, settings over the tuned ones):
 - SparseLoCo with that outer momentum on the mean of what the datacenters sent, at τ = 50 (the tuned density) and
   τ = 10 (the paper's); at τ = 10, SparseLoCo without the error feedback's decay, at the tuned density (with and
   without the decay), and at the tuned density with a dense (fp32) downlink;
-- Streaming DiLoCo (fp32 and 4-bit) at H = 10, its momentum warmed up over half the rounds.
+- Streaming DiLoCo (fp32 and 4-bit) at H = 10, its momentum warmed up over half the rounds; with τ_o = 1, with
+  τ_o = 1 and α = 0, with eager updates, and with τ_o = 4 and α = 0.
 The τ = 50 figures to compare with are the benchmark's and the tuning's own.
 
 Usage: python benchmarks/wan_tau_probe.py [--only KEY@TAU ...] [--jobs 2]
@@ -84,6 +85,15 @@ ROWS: list[tuple[str, int, dict[str, Any], str]] = [
     # Streaming DiLoCo (2 fragments, each merged τ/2 steps after it is sent) at H = 10, with the τ = 10 rows' warm-up
     *[(key, 10, {"diloco": {"outer_momentum_warmup_rounds": SIZES["full"].steps // 10 // 2}}, "")
       for key in ("streaming-diloco", "streaming-diloco-int4")],
+    # what costs it: the merge's delay (τ_o = 1 instead of 5), and then its mixing (α = 0: the new global fragment
+    # replaces the local one; refused at τ_o = 5 = H/P, where it would discard every inner step)
+    ("streaming-diloco", 10, {"diloco": {"outer_momentum_warmup_rounds": 100, "overlap": 1}}, "overlap1"),
+    ("streaming-diloco", 10, {"diloco": {"outer_momentum_warmup_rounds": 100, "overlap": 1, "alpha": 0.0}},
+     "overlap1-alpha0"),
+    # eager updates (the local fragment's own pseudo-gradient stands in for the missing mean during τ_o = 5)
+    ("streaming-diloco", 10, {"diloco": {"outer_momentum_warmup_rounds": 100, "eager": True}}, "eager"),
+    ("streaming-diloco", 10, {"diloco": {"outer_momentum_warmup_rounds": 100, "overlap": 4, "alpha": 0.0}},
+     "overlap4-alpha0"),
 ]
 
 
