@@ -529,6 +529,8 @@ def test_the_next_start_sweeps_what_a_killed_run_left_and_only_that(tmp_path: Pa
         # went with it: they die with their parent)
         assert _wait_until(lambda: not processes_mentioning("crossdc.wan.delay_line", str(spec_path)), 10)
         assert _wait_until(lambda: not is_running(dead["follower"]), 10)
+        # the kernel unregisters a dead process's TUN devices after its exit, seconds later on a loaded machine
+        assert _wait_until(lambda: not [d for d in root_devices() if d == f"cdc{slot}" or d.startswith(f"cdc{slot}d")], 30)
         assert set(namespaces) <= netns_names() and any(r.split()[1] == network for r in blackhole_routes())
         assert is_running(dead["orphan"]) and net_namespaces_in_use().get(inode) == str(dead["orphan"])
         assert (state_root / f"slot-{slot}.json").exists()
