@@ -39,7 +39,7 @@ from typing import Any
 
 import torch
 from results_file import merge_rows, write_results
-from wan_benchmark import RESULTS, SIZES, budget_experiment, drive_crossdc, method_catalogue, read_tuning
+from wan_benchmark import RESULTS, SIZES, budget_experiment, drive_crossdc, method_catalogue, momentum_warmup_rounds, read_tuning
 
 OUT = RESULTS / "wan_tau_probe.json"
 #: SparseLoCo at the density its paper uses (1.6 %), over the tuned setting's 128
@@ -68,7 +68,7 @@ ROWS: list[tuple[str, int, dict[str, Any], str]] = [
     ("diloco", 50, {"diloco": PAPER_PAIR, "method": {"lr": 1.5e-3}}, "paper-outer-inner-lr1.5e-3"),
     # the benchmark's DiLoCo recipe (the paper's pair, momentum warmed up over half the rounds) at more frequent syncs
     *[("diloco", tau, {"diloco": {**PAPER_PAIR, "outer_momentum_warmup_rounds": warmup}},
-       f"paper-outer-momentum-warmup{warmup}") for tau in (10, 25) for warmup in [SIZES["full"].steps // tau // 2]],
+       f"paper-outer-momentum-warmup{warmup}") for tau in (10, 25) for warmup in [momentum_warmup_rounds(SIZES["full"], tau)]],
     ("diloco", 10, {"diloco": {**PAPER_PAIR, "outer_momentum_warmup_rounds": 100}, "seed": 1},
      "paper-outer-momentum-warmup100-seed1"),
     ("diloco-int8", 10, {"diloco": {**PAPER_PAIR, "outer_momentum_warmup_rounds": 100}}, "paper-outer-momentum-warmup100"),
@@ -83,7 +83,7 @@ ROWS: list[tuple[str, int, dict[str, Any], str]] = [
     # is it the uplink's selection or the downlink's compression? the same with the global model sent down in fp32
     ("sparseloco", 10, {"method": {"downlink_codecs": ()}}, "tuned-density-dense-downlink"),
     # Streaming DiLoCo (2 fragments, each merged τ/2 steps after it is sent) at H = 10, with the τ = 10 rows' warm-up
-    *[(key, 10, {"diloco": {"outer_momentum_warmup_rounds": SIZES["full"].steps // 10 // 2}}, "")
+    *[(key, 10, {"diloco": {"outer_momentum_warmup_rounds": momentum_warmup_rounds(SIZES["full"], 10)}}, "")
       for key in ("streaming-diloco", "streaming-diloco-int4")],
     # what costs it: the merge's delay (τ_o = 1 instead of 5), and then its mixing (α = 0: the new global fragment
     # replaces the local one; refused at τ_o = 5 = H/P, where it would discard every inner step)
