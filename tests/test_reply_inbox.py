@@ -20,13 +20,15 @@ from __future__ import annotations
 
 import threading
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from datetime import timedelta
+from pathlib import Path
 from typing import Any, cast
 
 import numpy as np
 import pytest
-from flwr.app import Array, ArrayRecord, ConfigRecord, Message, Metadata, RecordDict
+from flwr.app import Array, ArrayRecord, ConfigRecord, Error, Message, Metadata, RecordDict
 from flwr.app.message import make_message, remove_content_from_message
 from flwr.common.constant import HEARTBEAT_DEFAULT_INTERVAL, NOOP_FLWR_AID, SUPERLINK_NODE_ID, ErrorCode
 from flwr.common.serde import message_to_proto
@@ -71,16 +73,24 @@ from flwr.supercore.inflatable.inflatable_protobuf_utils import (
 from flwr.supercore.inflatable.inflatable_utils import pull_and_inflate_object_from_tree
 from flwr.supercore.object_store import ObjectStoreFactory
 from flwr.supercore.run import Run
+from flwr.supercore.task_identity import TaskIdentity
 from flwr.superlink.federation import NoOpFederationManager
 from flwr.superlink.grid.http_grid import HttpGrid
 from flwr.superlink.grid.inmemory_grid import InMemoryGrid
 from flwr.superlink.servicer.fleet import fleet_handlers
 from flwr.superlink.servicer.runtime import runtime_handlers
 
+from crossdc import protocol
+from crossdc.db.engine import upgrade
+from crossdc.db.runlog import RunLog
+from crossdc.experiment.config import load_config
 from crossdc.federation import reply_inbox
+from crossdc.federation.grid_io import FederationError, discover_datacenters
 from crossdc.federation.reply_inbox import ReplyInbox, inbox_of
+from crossdc.protocol import CONFIG_KEY
 
 MESSAGE_TYPE = "train"
+EXAMPLE_CONFIG = Path(__file__).resolve().parents[1] / "examples" / "synthetic-2dc.toml"
 INSTRUCTION_TTL_S = 3600.0
 
 
@@ -556,3 +566,52 @@ def test_a_transport_error_mid_pass_loses_no_reply(superlink: SuperLink) -> None
     assert reply.metadata.reply_to_message_id == late_id
     assert_reply_content(reply, 2)
     assert inbox.arriving == {}
+
+
+# --- discovery on the same SuperLink -------------------------------------------------------------------------------
+
+
+def answer_hello(node: SuperNodeSide, answer: Callable[[Message], Message]) -> threading.Thread:
+    """A SuperNode that waits (up to 30 s) for its hello and sends `answer(hello)`, fully uploaded, in a thread."""
+
+    def serve() -> None:
+        deadline = time.monotonic() + 30
+        while True:
+            try:
+                hello = node.receive()
+                break
+            except AssertionError:  # nothing for this node yet
+                assert time.monotonic() < deadline, "no hello came"
+                time.sleep(0.02)
+        node.upload(node.register_reply(answer(hello)))
+
+    thread = threading.Thread(target=serve, daemon=True)
+    thread.start()
+    return thread
+
+
+def test_discovery_names_the_reason_a_node_gave_for_failing_its_hello(superlink: SuperLink, tmp_path: Path,
+                                                                      monkeypatch: pytest.MonkeyPatch) -> None:
+    """A node whose ClientApp failed the hello (here: its trainer did not start) answered, with an error: the
+    discovery's error names the missing datacenter and gives that node's reason, rather than only 'did not answer'."""
+    # the ServerApp's identity, which Flower sets in a ServerApp's process (its messages carry the run id)
+    for name, value in (("_run_id", superlink.run.run_id), ("_task_id", superlink.run.primary_task_id),
+                        ("_node_id", SUPERLINK_NODE_ID)):
+        monkeypatch.setattr(TaskIdentity, name, value)
+    config = load_config(EXAMPLE_CONFIG)  # datacenters us-east and eu-west
+    named, failing = superlink.add_node(b"node-named"), superlink.add_node(b"node-failing")
+    reason = "the trainer did not start within 300s"
+    threads = [
+        answer_hello(named, lambda hello: Message(RecordDict({CONFIG_KEY: ConfigRecord({protocol.DATACENTER: "us-east"})}),
+                                                  reply_to=hello)),
+        answer_hello(failing, lambda hello: Message(Error(code=ErrorCode.CLIENT_APP_RAISED_EXCEPTION, reason=reason),
+                                                    reply_to=hello)),
+    ]
+    db_url = f"sqlite:///{tmp_path / 'runs.db'}"
+    upgrade(db_url)
+    with RunLog(db_url) as runlog, pytest.raises(FederationError) as raised:
+        discover_datacenters(superlink.grid, config, runlog, "run-1")
+    for thread in threads:
+        thread.join(timeout=30)
+    assert str(raised.value) == (f"datacenters did not answer: eu-west; node {failing.node_id} answered with an "
+                                 f"error: {reason}")

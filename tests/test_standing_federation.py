@@ -11,6 +11,7 @@ The operator's side (SuperLink, front, API service, database) runs in the root n
 from __future__ import annotations
 
 import json
+import re
 import subprocess
 import time
 from pathlib import Path
@@ -79,6 +80,16 @@ def test_enrolled_datacenters_run_over_tls_and_others_are_refused(tmp_path: Path
     for name in DATACENTERS:
         assert outcome["crossed"][name]["up"] > 0 and outcome["crossed"][name]["down"] > 0, outcome["crossed"]
         assert ledger_size(net, name) > 0, name
+
+
+def _log_tails(tmp_path: Path, chars: int = 2500) -> dict[str, str]:
+    """The end of every log the datacenters and the coordinator wrote under `tmp_path` (SuperNodes, node services,
+    trainers, ServerApps), colour codes removed: what a failure's report needs to say where a run stalled."""
+    tails = {}
+    for path in sorted(tmp_path.rglob("*.log")):
+        text = re.sub(r"\x1b\[[0-9;]*m", "", path.read_text(errors="replace"))
+        tails[str(path.relative_to(tmp_path))] = text[-chars:]
+    return tails
 
 
 def _flower_status_once_ended(control: SuperLinkControl, flower_run: int, within_s: float = 60) -> str:
@@ -226,7 +237,7 @@ def _operate_and_enroll(tmp_path: Path, env: dict[str, str], processes: ProcessG
         # unanswered for 180 s, waiting on the objects of a message the stopped attempt never finished uploading;
         # crossdc's SuperNode gives up on such a message after INSTRUCTION_PULL_MAX_S.)
         resumed = _cli(["resume", long_run, "--db", db_url, "--runs-dir", str(tmp_path / "runs")], env, timeout=420)
-        assert resumed.returncode == 0, resumed.stderr[-3000:]
+        assert resumed.returncode == 0, (resumed.stderr[-3000:], _log_tails(tmp_path))
         logged_long = read_run(db_url, long_run)
         assert logged_long["run"]["status"] == "finished", logged_long["run"]
         assert sorted(r["round"] for r in logged_long["rounds"]) == list(range(1, LONG_ROUNDS + 1))

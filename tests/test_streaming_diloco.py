@@ -255,6 +255,37 @@ def test_fragments_overlap_and_eager_train_and_send_less_per_sync(tmp_path: Path
         assert fed.strategy.outer_steps == 2 * rounds
 
 
+def test_with_one_datacenter_eager_updates_merge_what_the_server_computes(tmp_path: Path) -> None:
+    """With N = 1 the eager stand-in ḡ_prev + (g_own − g_own_prev) is the datacenter's fresh update itself (ḡ_prev
+    is its own previous one), and its copy of the outer optimizer takes the server's step: eager on and off give the
+    same global and local weights, round after round, outer momentum and its warm-up included (float32 rounding
+    of the stand-in aside)."""
+    tau, rounds = 8, 6
+    spec = WorkloadSpec(dataset="synthetic", model="mlp", partition={"kind": "iid"}, batch_size=16, optimizer="adamw",
+                        lr=LR)
+    runs = {}
+    for eager in (False, True):
+        workload = load_workload(spec, ["a"], 0)
+        torch.manual_seed(0)
+        weights = model_weights(workload.make_model())
+        strategy = StreamingDiLoCo(tau=tau, params={"fragments": 2, "overlap": 2, "alpha": 0.5, "eager": eager,
+                                                    "outer_momentum_warmup_rounds": 3},
+                                   run=RunInfo(("a",), "adamw", LR))
+        runs[eager] = InProcessFederation.from_parts(workload, strategy, ["a"], 16, "adamw", LR, {"a": 11},
+                                                     tmp_path / f"eager-{eager}", weights)
+    plain, eager_run = runs[False], runs[True]
+    for _ in range(rounds):
+        assert not plain.run_round().rejected and not eager_run.run_round().rejected
+        assert plain.replicas is not None and eager_run.replicas is not None
+        local_plain, local_eager = plain.replicas["a"].trainer.get_weights(), eager_run.replicas["a"].trainer.get_weights()
+        for name in plain.weights:
+            np.testing.assert_allclose(eager_run.weights[name], plain.weights[name], rtol=1e-4, atol=1e-5, err_msg=name)
+            np.testing.assert_allclose(local_eager[name], local_plain[name], rtol=1e-4, atol=1e-5, err_msg=name)
+    assert eager_run.strategy.outer_steps == plain.strategy.outer_steps == 2 * rounds
+    # the replica's own outer steps are its merges: the round's last exchange merges τ_o steps into the next round
+    assert eager_run.replicas["a"].strategy.outer_steps == 2 * rounds - 1
+
+
 def test_four_bit_outer_gradients_and_an_int8_downlink_cost_less_and_train_alike(tmp_path: Path) -> None:
     tau, rounds = 8, 6
     params = {"fragments": 2, "overlap": 1, "alpha": 0.5}

@@ -7,6 +7,7 @@ import importlib.util
 import time
 import types
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -182,3 +183,74 @@ def test_the_fork_server_starts_flowers_clientapp_with_its_arguments() -> None:
         process.join(timeout=120)
     assert shown.exitcode == 0 and refused.exitcode == 2  # argparse: usage shown; an unknown option refused
     assert shown.pid != refused.pid
+
+
+def _receive_on_a_node(module: types.ModuleType, confirm: Any) -> tuple[Any, Any, str, Any]:
+    """One receipt by the loop module's ``_pull_and_store_message`` on a real (in-memory) node state and object store,
+    of a train message of a run the node knows, its objects pulled from the message itself, confirmed by `confirm`:
+    (what it returned, the node state, the message id, the object store)."""
+    import dataclasses
+
+    import numpy as np
+    from flwr.app import Array, ArrayRecord, Metadata, RecordDict
+    from flwr.app.message import make_message, remove_content_from_message
+    from flwr.common.constant import SUPERLINK_NODE_ID
+    from flwr.supercore.constant import TaskType
+    from flwr.supercore.date import now
+    from flwr.supercore.inflatable.inflatable_object import get_all_nested_objects, get_object_tree
+    from flwr.supercore.object_store import ObjectStoreFactory
+    from flwr.supercore.run import Run
+    from flwr.supernode.nodestate.in_memory_nodestate import InMemoryNodeState
+
+    store = ObjectStoreFactory().store()
+    state = InMemoryNodeState(store)
+    state.set_node_id(7)
+    run = dataclasses.replace(Run.create_empty(42), primary_task_type=TaskType.CLIENT_APP, fab_hash="fab")
+    state.store_run(run)
+    message = make_message(
+        metadata=Metadata(run_id=42, message_id="", src_node_id=SUPERLINK_NODE_ID, dst_node_id=7,
+                          reply_to_message_id="", group_id="4", created_at=now().timestamp(), ttl=3600.0,
+                          message_type="train"),
+        content=RecordDict({"arrays": ArrayRecord({"model": Array(np.ones((2, 3), dtype=np.float32))})}))
+    message.metadata.__dict__["_message_id"] = message.object_id
+    tree = get_object_tree(message)
+    objects = {object_id: obj.deflate() for object_id, obj in get_all_nested_objects(message).items()}
+    returned = module._pull_and_store_message(
+        state=state, object_store=store, node_config={}, receive=lambda: (remove_content_from_message(message), tree),
+        get_run=lambda run_id: run, get_fab=lambda fab_hash, run_id: None,
+        pull_object=lambda run_id, object_id: objects[object_id], confirm_message_received=confirm,
+        trusted_entities=None)
+    return returned, state, message.metadata.message_id, store
+
+
+def test_a_message_whose_run_stops_while_it_is_received_is_dropped() -> None:
+    """The SuperLink answers the receipt's confirmation with "run not running" (the run was stopped meanwhile): the
+    patched loop drops the message (nothing of it left on the node, its ClientApp task failed, so no ClientApp's reply
+    to it can take the place of the next message's). Flower's own loop leaves it stored with a task to run."""
+    from flwr.common.constant import Status, SubStatus
+    from flwr.supercore.run import RunNotRunningException
+
+    def confirm(run_id: int, message_id: str) -> None:
+        raise RunNotRunningException(f"run {run_id} is not running")
+
+    returned, state, message_id, store = _receive_on_a_node(fresh_copy_of_flowers_loop(), confirm)
+    assert returned is None
+    assert [m.metadata.message_id for m in state.get_messages_legacy(run_ids=[42])] == [message_id]  # Flower's: kept
+    assert [t.status.status for t in state.get_tasks()] != [Status.FINISHED]
+
+    module = fresh_copy_of_flowers_loop()
+    supernode.patch_supernode_loop(module)
+    returned, state, message_id, store = _receive_on_a_node(module, confirm)
+    assert returned is None
+    assert state.get_messages_legacy(run_ids=[42]) == []
+    assert store.get(message_id) is None
+    [task] = state.get_tasks()
+    assert (task.status.status, task.status.sub_status) == (Status.FINISHED, SubStatus.FAILED)
+    assert "the run stopped while its message was received" in task.status.details
+
+    # a receipt whose run is running is untouched: stored, confirmed, its task waiting for its ClientApp
+    confirmed: list[str] = []
+    returned, state, message_id, store = _receive_on_a_node(module, lambda run_id, mid: confirmed.append(mid))
+    assert returned == 42 and confirmed == [message_id]
+    assert [m.metadata.message_id for m in state.get_messages_legacy(run_ids=[42])] == [message_id]
+    assert [t.status.status for t in state.get_tasks()] == [Status.PENDING]

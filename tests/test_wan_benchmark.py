@@ -8,6 +8,7 @@ import importlib
 import json
 import statistics
 import sys
+from concurrent.futures import Future
 from pathlib import Path
 
 import pytest
@@ -280,3 +281,20 @@ def test_an_asynchronous_rows_compute_only_time_is_its_steps_at_the_summed_step_
     assert out["compute_s"] == pytest.approx(325 / 30.625) and out["wall_s"] == 41.0  # evaluation left out
     assert bench.measured_timeline(rounds)["compute_s"] == 40.0  # a synchronous run: the slowest datacenter's
     assert out["utilisation"] == pytest.approx([10 / 11, 10 / 11, 10 / 11, 1.0]) and out["exposed_comm_comp"] == pytest.approx(3 / 70)
+
+
+def test_the_tau_probe_keeps_the_rows_that_ran_when_one_fails(capsys: pytest.CaptureFixture[str]) -> None:
+    """benchmarks/wan_tau_probe.py: a row whose run raised is reported and left out; the rows that ran are kept, in
+    order (before, one failed row lost the whole batch's results)."""
+    sys.path.insert(0, str(BENCHMARKS))
+    try:
+        probe = importlib.import_module("wan_tau_probe")
+    finally:
+        sys.path.remove(str(BENCHMARKS))
+    futures: dict[str, Future[dict[str, object]]] = {name: Future() for name in ("a@10", "b@10", "c@10")}
+    futures["a@10"].set_result({"row": "a@10"})
+    futures["b@10"].set_exception(TypeError("Method.__init__() got an unexpected keyword argument 'x'"))
+    futures["c@10"].set_result({"row": "c@10"})
+    fresh, failed = probe.gather(futures)
+    assert fresh == [{"row": "a@10"}, {"row": "c@10"}] and failed == ["b@10"]
+    assert "b@10 failed: TypeError: Method.__init__() got an unexpected keyword argument 'x'" in capsys.readouterr().out

@@ -15,6 +15,9 @@ Promises:
 - the loop gives up on a message whose objects are still not on the SuperLink after :data:`INSTRUCTION_PULL_MAX_S`
   (its sender died while uploading it) and goes on to the next message, where flwr 1.42 waits until the SuperLink's
   push session expires (180 s: a resumed coordinator's hello sat behind a stopped attempt's half-sent message);
+- a message whose run stops while the node receives it is dropped (deleted, its ClientApp task failed) rather than
+  left stored, where flwr 1.42's loop would run a ClientApp for it whose reply displaces the next message's
+  (:func:`_drop_messages_of_stopped_runs`);
 - :func:`patch_supernode_loop` refuses, with :class:`FlowerLoopChanged`, to patch a loop that is not the one this
   was written against (the sleeps it shortens are not the ones it finds), so an upgrade of flwr fails loudly
   rather than silently bringing the 3-second poll back or shortening a wait that means something else.
@@ -115,6 +118,53 @@ def patch_supernode_loop(module: types.ModuleType | None = None) -> None:
             "crossdc.clients.supernode before using this flwr version")
     module.time = _ShorterWaits(SHORTER_WAITS)  # type: ignore[attr-defined]
     _bound_instruction_pull(module, source)
+    _drop_messages_of_stopped_runs(module, source)
+
+
+class RunStoppedWhileReceiving(RuntimeError):
+    """The run of a message the SuperNode was receiving stopped (Flower's ``RunNotRunningException``, raised as an
+    ordinary exception so that the loop's cleanup of a failed receipt runs)."""
+
+
+def _ordinary_when_stopped(function: Callable[..., Any]) -> Callable[..., Any]:
+    """`function`, raising :class:`RunStoppedWhileReceiving` where it raised flwr's ``RunNotRunningException``."""
+    from flwr.supercore.run import RunNotRunningException
+
+    def call(*args: Any, **kwargs: Any) -> Any:
+        try:
+            return function(*args, **kwargs)
+        except RunNotRunningException as err:
+            raise RunStoppedWhileReceiving(f"the run stopped while its message was received ({err!r})") from None
+
+    return call
+
+
+def _drop_messages_of_stopped_runs(module: types.ModuleType, source: str) -> None:
+    """Make the loop drop a message whose run stops while the node receives it, as it drops one whose objects could
+    not be pulled: the message and its objects deleted from the node, its ClientApp task finished (failed, its token
+    revoked, so a ClientApp already started for it cannot reply).
+
+    In flwr 1.42 the SuperLink's "run not running" answer to the object pull or to the receipt's confirmation is a
+    ``BaseException`` that passes the loop's cleanup (``except Exception``): the message stays stored with its task,
+    the SuperExec runs a ClientApp for it, and that ClientApp's reply is the one the loop sends after receiving the
+    *next* message (the loop sends whatever reply it finds first, and sends only after receiving), so the next
+    message's reply is left unsent: a resumed run's hello went unanswered that way. FlowerLoopChanged unless the loop
+    receives through ``_pull_and_store_message`` and passes it the confirmation by keyword."""
+    original = getattr(module, "_pull_and_store_message", None)
+    if getattr(original, "stopped_runs_dropped", False):
+        return
+    if (original is None or "confirm_message_received" not in inspect.signature(original).parameters
+            or "confirm_message_received=confirm_message_received" not in source):
+        raise FlowerLoopChanged(f"{module.__name__} no longer receives a message through _pull_and_store_message with "
+                                "its confirmation by keyword: review crossdc.clients.supernode before using this flwr version")
+
+    def pull_and_store_message(*args: Any, **kwargs: Any) -> Any:
+        if "confirm_message_received" in kwargs:
+            kwargs["confirm_message_received"] = _ordinary_when_stopped(kwargs["confirm_message_received"])
+        return original(*args, **kwargs)
+
+    pull_and_store_message.stopped_runs_dropped = True  # type: ignore[attr-defined]
+    module._pull_and_store_message = pull_and_store_message  # type: ignore[attr-defined]
 
 
 def _bound_instruction_pull(module: types.ModuleType, source: str) -> None:
@@ -132,9 +182,11 @@ def _bound_instruction_pull(module: types.ModuleType, source: str) -> None:
                                 "flwr's pull_objects: review crossdc.clients.supernode before using this flwr version")
     initial, cap = INSTRUCTION_PULL_BACKOFF_S
 
+    pull_objects = _ordinary_when_stopped(inflatable_utils.pull_objects)
+
     def bounded_pull_objects(object_ids: list[str], pull_object_fn: Callable[[str], bytes]) -> dict[str, bytes]:
-        return inflatable_utils.pull_objects(object_ids, pull_object_fn, max_time=INSTRUCTION_PULL_MAX_S,
-                                             initial_backoff=initial, backoff_cap=cap)
+        return pull_objects(object_ids, pull_object_fn, max_time=INSTRUCTION_PULL_MAX_S, initial_backoff=initial,
+                            backoff_cap=cap)
 
     bounded_pull_objects.bounded = True  # type: ignore[attr-defined]
     module.pull_objects = bounded_pull_objects  # type: ignore[attr-defined]

@@ -1,7 +1,8 @@
 """The coordinator's side of Flower's Grid: finding the datacenters and collecting replies as they arrive.
 
 Promises: :func:`discover_datacenters` maps every configured datacenter to its SuperNode (asking each node who it
-is) or raises :class:`FederationError` naming the missing ones; :func:`rediscover` moves a datacenter that came
+is) or raises :class:`FederationError` naming the missing ones (and the reason of every node whose hello failed on
+its side); :func:`rediscover` moves a datacenter that came
 back under a new node id; :func:`collect_replies` pulls replies as they arrive (polling every 20–250 ms, faster
 while replies come in; no fixed 3-second barrier) and polls only messages still pending.
 """
@@ -131,9 +132,13 @@ def discover_datacenters(grid: Grid, config: ExperimentConfig, runlog: RunLog, r
     ids = list(grid.push_messages(messages))
     replies = collect_replies(grid, ids, DISCOVERY_TIMEOUT_S)
     mapping: dict[str, int] = {}
+    failed: list[str] = []  # the nodes whose hello failed on their side, with the reason their ClientApp gave
     for reply in replies.values():
         name = _claimed_name(reply)
         if name is None:  # that node stays unknown
+            if reply.message.has_error():
+                failed.append(f"node {reply.message.metadata.src_node_id} answered with an error: "
+                              f"{reply.message.error.reason}")
             continue
         if name in mapping:
             raise FederationError(f"two SuperNodes claim to be datacenter '{name}'")
@@ -144,7 +149,7 @@ def discover_datacenters(grid: Grid, config: ExperimentConfig, runlog: RunLog, r
         mapping[name] = reply.message.metadata.src_node_id
     missing = [n for n in names if n not in mapping]
     if missing:
-        raise FederationError(f"datacenters did not answer: {', '.join(missing)}")
+        raise FederationError(f"datacenters did not answer: {', '.join(missing)}" + "".join(f"; {f}" for f in failed))
     return mapping
 
 
