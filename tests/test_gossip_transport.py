@@ -9,11 +9,12 @@ import time
 from pathlib import Path
 
 import numpy as np
+import torch.distributed as dist
 from test_gossip import LR, federation
 
 from crossdc.clients.gossip_agent import GossipAgent
 from crossdc.clients.gossip_replica import DELTA, FULL, GossipMessage, GossipReplica
-from crossdc.clients.gossip_transport import Exchanged, GossipTransport, exchange_all
+from crossdc.clients.gossip_transport import HANDSHAKE_MIN_S, Exchanged, GossipTransport, exchange_all, handshake_timeout
 from crossdc.experiment.processes import free_port
 from crossdc.strategies.base import RunInfo
 from crossdc.strategies.gossip import Gossip
@@ -103,6 +104,52 @@ def test_agents_over_the_transport_end_where_the_in_process_driver_does(tmp_path
         assert set(reports[0].links) == {1, 2} and all(link["used"] and link["error"] is None
                                                        for link in reports[0].links.values())
         assert agents["a"].reports(acknowledged=3, wait_s=0)[0] == []  # acknowledged: forgotten
+    finally:
+        for transport in transports.values():
+            transport.close()
+
+
+def test_the_handshake_gets_thirty_round_trips_at_least_ten_seconds_at_most_the_timeout() -> None:
+    assert handshake_timeout(0.001, 60.0) == HANDSHAKE_MIN_S == 10.0
+    assert handshake_timeout(0.5, 60.0) == 15.0
+    assert handshake_timeout(1.0, 20.0) == 20.0
+    assert handshake_timeout(0.001, 4.0) == 4.0
+
+
+def test_an_end_whose_neighbour_went_away_as_they_met_gives_up_within_the_handshake() -> None:
+    """A neighbour that says it has come to the meeting and is gone before the pair connects (a link cut just then)
+    costs each end the handshake (10 s here: loopback's round trip is tiny), not the exchange's three timeouts; the
+    store it met on serves the next round's meetings."""
+    timeout_s = 40.0
+    ports = [free_port() for _ in range(3)]
+    transports = {i: GossipTransport(i, {j: ("127.0.0.1", ports[j]) for j in range(3)}, timeout_s) for i in range(3)}
+    outcomes: dict[int, Exchanged] = {}
+    waited: dict[int, float] = {}
+
+    def exchange(i: int, peer: int) -> None:
+        started = time.perf_counter()
+        outcomes[i] = transports[i].exchange(1, peer, lambda holds: message(i, 1, 500, holds), 0)
+        waited[i] = time.perf_counter() - started
+
+    try:
+        # 0 meets 1 on its own store as rank 0; 2 meets 1 on 1's store as rank 1. The "neighbour" only says it came.
+        for host_port, prefix, rank in ((ports[0], "gossip/r1/0-1", 1), (ports[1], "gossip/r1/1-2", 0)):
+            store = dist.TCPStore("127.0.0.1", host_port, None, False, wait_for_workers=False)
+            store.set(f"{prefix}/here/{rank}", "1")
+        threads = [threading.Thread(target=exchange, args=(i, 1)) for i in (0, 2)]
+        for thread in threads:
+            thread.start()
+        for thread in threads:
+            thread.join(timeout=4 * timeout_s)
+        for i in (0, 2):
+            assert outcomes[i].message is None and outcomes[i].error, outcomes[i]
+            assert 1 in transports[i].suspect
+            # the handshake's 10 s (its process killed 5 s after); without that bound, a timeout at least (40 s)
+            assert waited[i] < HANDSHAKE_MIN_S + 15, (i, waited[i], outcomes[i].error)
+        for transport in transports.values():
+            transport.end_round(1)
+        second = ring_round(transports, 2, {0, 1, 2})
+        assert all(o.message is not None for results in second.values() for o in results.values()), second
     finally:
         for transport in transports.values():
             transport.close()

@@ -31,7 +31,11 @@ Promises:
   waiting at once, so two datacenters a round apart meet again at the next round instead of each waiting a whole
   timeout for the other's round. A neighbour that does not come, dies or stalls makes
   :meth:`GossipTransport.exchange` return with the reason and no message within 3 × ``timeout_s`` (the meeting,
-  the swap, the payload): nobody waits forever, and a message is returned whole or not at all;
+  the swap, the payload): nobody waits forever, and a message is returned whole or not at all. Once both ends
+  have come, connecting the pair and swapping the first words gets :func:`handshake_timeout` (30 round trips of
+  the link as the probe measured one, at least 10 s; the exchange's process is killed 5 s after): an end whose
+  neighbour went away as they met (a link cut just then) gives up within seconds, and its other neighbours do not
+  wait on it for a whole timeout;
 - before meeting a neighbour, a datacenter checks that it can reach the neighbour's rendezvous store at all (a TCP
   connection within ``probe_s``, over the same link: one round trip); if not (a cut link, a dead datacenter), the
   exchange fails at once, so a cut costs each round a probe, not a whole timeout. If it can, the meeting gets the
@@ -76,6 +80,13 @@ _KIND_NAMES = {v: k for k, v in _KINDS.items()}
 _HEADER_WORDS = 5
 #: how long a datacenter tries to reach a neighbour's store before it gives up on it for the round
 PROBE_S = 1.5
+#: the least time two ends that have both come to a meeting get to connect their pair and swap their first words, and
+#: that time in round trips of the link (as the probe measured one): these steps cross the link a few times each, so
+#: an end whose neighbour went away in between (a link cut as they met) gives up within seconds, not a whole timeout
+HANDSHAKE_MIN_S, HANDSHAKE_ROUND_TRIPS = 10.0, 30
+#: how much longer than that the datacenter waits for the exchange's process before it kills it (gloo retries a
+#: failed connect of the pair past the timeout it was given)
+HANDSHAKE_GRACE_S = 5.0
 #: how long a datacenter tries to start its rendezvous store (the first start waits for the fork server's import of
 #: torch; a restart for the port a killed store held)
 STORE_START_S = 60.0
@@ -104,6 +115,12 @@ class Exchanged:
     in_flight_s: float
     error: str | None = None
     unreachable: bool = False
+
+
+def handshake_timeout(round_trip_s: float, timeout_s: float) -> float:
+    """How long two ends that have both come to a meeting wait for their pair to connect and their first swap: at
+    least HANDSHAKE_MIN_S and HANDSHAKE_ROUND_TRIPS round trips of the link, at most the exchange's timeout."""
+    return min(timeout_s, max(HANDSHAKE_MIN_S, HANDSHAKE_ROUND_TRIPS * round_trip_s))
 
 
 class ExchangeFailed(RuntimeError):
@@ -233,7 +250,7 @@ class GossipTransport:
             # can the link reach the neighbour at all? if not, give up on it for this round now
             try:
                 with socket.create_connection(self.addresses[peer], timeout=self.probe_s):
-                    pass
+                    round_trip_s = time.perf_counter() - started  # a connection takes one round trip
             except OSError as err:
                 reason = f"{type(err).__name__}: {err}"[:300]
                 log.info("round %d: datacenter %d unreachable: %s", server_round, peer, reason)
@@ -243,13 +260,17 @@ class GossipTransport:
             meeting = {"store": self.addresses[low], "peer_store": self.addresses[peer],
                        "prefix": f"gossip/r{server_round}/{low}-{high}",
                        "rank": 0 if self.index == low else 1, "hostname": self.host, "timeout_s": self.timeout_s,
+                       "handshake_s": handshake_timeout(round_trip_s, self.timeout_s),
                        "round": server_round, "held_of_peer": held_of_peer}
             child = _CONTEXT.Process(target=_meet, args=(theirs, meeting), name=f"gossip-{self.index}-{peer}",
                                      daemon=True)
             child.start()
             theirs.close()
             deadline = started + 3 * self.timeout_s + self.probe_s
-            holds = _receive(ours, deadline)
+            _receive(ours, deadline)  # both ends have come: the pair connects and swaps its first words, or gives up
+            handshake_deadline = time.perf_counter() + meeting["handshake_s"] + HANDSHAKE_GRACE_S
+            holds = _receive(ours, min(deadline, handshake_deadline),
+                             f"the pair did not connect within {meeting['handshake_s']:.3g}s of meeting")
             sent += 16
             received += 16
             message = message_for(int(holds))
@@ -330,10 +351,10 @@ def _read_offer(connection: multiprocessing.connection.Connection, address: tupl
         connection.send(("error", f"{type(err).__name__}: {str(err).splitlines()[0] if str(err) else ''}"[:300]))
 
 
-def _receive(connection: multiprocessing.connection.Connection, deadline: float) -> Any:
-    """The exchange process's next word: its value, or ExchangeFailed with its reason (or with the deadline's)."""
+def _receive(connection: multiprocessing.connection.Connection, deadline: float, late: str = DEADLINE_PASSED) -> Any:
+    """The exchange process's next word: its value, or ExchangeFailed with its reason (or `late` past the deadline)."""
     if not connection.poll(max(0.0, deadline - time.perf_counter())):
-        raise ExchangeFailed(DEADLINE_PASSED)
+        raise ExchangeFailed(late)
     try:
         word, value = connection.recv()
     except EOFError as err:
@@ -344,8 +365,8 @@ def _receive(connection: multiprocessing.connection.Connection, deadline: float)
 
 
 def _meet(connection: multiprocessing.connection.Connection, meeting: dict[str, Any]) -> None:
-    """The exchange process (see the module docstring): meets the neighbour, sends the parent what the neighbour
-    holds ("holds"), takes the message to send (kind, version, base, payload; or None), and sends back the
+    """The exchange process (see the module docstring): meets the neighbour ("met" once both ends have come), sends
+    the parent what the neighbour holds ("holds"), takes the message to send (kind, version, base, payload; or None), and sends back the
     neighbour's ("done": its header, its payload or None, the seconds in flight); any failure as ("error", reason)."""
     try:
         timeout = timedelta(seconds=meeting["timeout_s"])
@@ -353,12 +374,19 @@ def _meet(connection: multiprocessing.connection.Connection, meeting: dict[str, 
         store = dist.TCPStore(host, port, None, False, timeout=timeout, wait_for_workers=False)
         options = dist.ProcessGroupGloo._Options()
         options._devices = [dist.ProcessGroupGloo.create_device(hostname=meeting["hostname"])]
-        options._timeout = timeout
         rank = meeting["rank"]
         _wait_for_peer(store, meeting, timeout)
+        connection.send(("met", None))
+        # both ends have come: connecting the pair and the first swap take a few round trips, unless the other end
+        # went away meanwhile (a cut as they met leaves this end waiting on gloo's rendezvous and its retried connects)
+        handshake = timedelta(seconds=meeting["handshake_s"])
+        options._timeout = handshake
+        store.set_timeout(handshake)
         group = dist.ProcessGroupGloo(dist.PrefixStore(meeting["prefix"], store), rank, 2, options)
+        store.set_timeout(timeout)
         met = time.perf_counter()
-        theirs = _swap(group, rank, torch.tensor([meeting["round"], meeting["held_of_peer"]], dtype=torch.int64), timeout)
+        theirs = _swap(group, rank, torch.tensor([meeting["round"], meeting["held_of_peer"]], dtype=torch.int64),
+                       handshake)
         if int(theirs[0]) != meeting["round"]:
             raise ExchangeFailed(f"the peer is at round {int(theirs[0])}")
         connection.send(("holds", int(theirs[1])))
