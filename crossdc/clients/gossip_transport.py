@@ -33,9 +33,11 @@ Promises:
   :meth:`GossipTransport.exchange` return with the reason and no message within 3 × ``timeout_s`` (the meeting,
   the swap, the payload): nobody waits forever, and a message is returned whole or not at all. Once both ends
   have come, connecting the pair and swapping the first words gets :func:`handshake_timeout` (30 round trips of
-  the link as the probe measured one, at least 10 s; the exchange's process is killed 5 s after): an end whose
+  the link, the least time a probe of it took; at least 10 s; the exchange's process is killed 5 s after): an end whose
   neighbour went away as they met (a link cut just then) gives up within seconds, and its other neighbours do not
-  wait on it for a whole timeout;
+  wait on it for a whole timeout. And an exchange under way ends as failed once its neighbour has finished the
+  round (its store says so) and the handshake's time has passed since: a cut can reset one end's connection and
+  not the other's, whose gloo receive would otherwise wait out the whole timeout;
 - before meeting a neighbour, a datacenter checks that it can reach the neighbour's rendezvous store at all (a TCP
   connection within ``probe_s``, over the same link: one round trip); if not (a cut link, a dead datacenter), the
   exchange fails at once, so a cut costs each round a probe, not a whole timeout. If it can, the meeting gets the
@@ -98,6 +100,8 @@ DONE_ROUND_KEY = "done-round"
 DEADLINE_PASSED = "the exchange did not finish in time"
 #: how often an end that waits for its neighbour at a meeting looks again
 MEETING_POLL_S = 0.2
+#: how often an exchange under way looks whether its neighbour has finished the round without it
+WATCH_POLL_S = 1.0
 #: the processes that run the exchanges fork from a server that has this module (so torch) loaded
 _CONTEXT = multiprocessing.get_context("forkserver")
 _CONTEXT.set_forkserver_preload([__name__])
@@ -137,6 +141,8 @@ class GossipTransport:
         self.probe_s = min(probe_s, timeout_s)
         #: the neighbours whose last exchange failed (see the module docstring)
         self.suspect: set[int] = set()
+        #: per neighbour, the least time its probe took (a round trip of the link)
+        self.round_trips: dict[int, float] = {}
         host, port = addresses[index]
         self.host = host
         multiprocessing.forkserver.ensure_running()  # its start-up (an import of torch) is not a round's idle time
@@ -250,7 +256,9 @@ class GossipTransport:
             # can the link reach the neighbour at all? if not, give up on it for this round now
             try:
                 with socket.create_connection(self.addresses[peer], timeout=self.probe_s):
-                    round_trip_s = time.perf_counter() - started  # a connection takes one round trip
+                    # a connection takes one round trip (more if a packet was lost: the least seen is the link's)
+                    round_trip_s = min(time.perf_counter() - started, self.round_trips.get(peer, self.probe_s))
+                    self.round_trips[peer] = round_trip_s
             except OSError as err:
                 reason = f"{type(err).__name__}: {err}"[:300]
                 log.info("round %d: datacenter %d unreachable: %s", server_round, peer, reason)
@@ -366,8 +374,15 @@ def _receive(connection: multiprocessing.connection.Connection, deadline: float,
 
 def _meet(connection: multiprocessing.connection.Connection, meeting: dict[str, Any]) -> None:
     """The exchange process (see the module docstring): meets the neighbour ("met" once both ends have come), sends
-    the parent what the neighbour holds ("holds"), takes the message to send (kind, version, base, payload; or None), and sends back the
-    neighbour's ("done": its header, its payload or None, the seconds in flight); any failure as ("error", reason)."""
+    the parent what the neighbour holds ("holds"), takes the message to send (kind, version, base, payload; or
+    None), and sends back the neighbour's ("done": its header, its payload or None, the seconds in flight); any
+    failure as ("error", reason)."""
+    lock = threading.Lock()
+
+    def say(word: tuple[str, Any]) -> None:
+        with lock:
+            connection.send(word)
+
     try:
         timeout = timedelta(seconds=meeting["timeout_s"])
         host, port = meeting["store"]
@@ -376,7 +391,8 @@ def _meet(connection: multiprocessing.connection.Connection, meeting: dict[str, 
         options._devices = [dist.ProcessGroupGloo.create_device(hostname=meeting["hostname"])]
         rank = meeting["rank"]
         _wait_for_peer(store, meeting, timeout)
-        connection.send(("met", None))
+        say(("met", None))
+        threading.Thread(target=_watch_peer, args=(meeting, say), name="gossip-watch", daemon=True).start()
         # both ends have come: connecting the pair and the first swap take a few round trips, unless the other end
         # went away meanwhile (a cut as they met leaves this end waiting on gloo's rendezvous and its retried connects)
         handshake = timedelta(seconds=meeting["handshake_s"])
@@ -389,7 +405,7 @@ def _meet(connection: multiprocessing.connection.Connection, meeting: dict[str, 
                        handshake)
         if int(theirs[0]) != meeting["round"]:
             raise ExchangeFailed(f"the peer is at round {int(theirs[0])}")
-        connection.send(("holds", int(theirs[1])))
+        say(("holds", int(theirs[1])))
         message = connection.recv()
         header = (torch.tensor([1, message[0], message[1], -1 if message[2] is None else message[2], message[3].size],
                                dtype=torch.int64) if message is not None else torch.zeros(_HEADER_WORDS, dtype=torch.int64))
@@ -398,11 +414,37 @@ def _meet(connection: multiprocessing.connection.Connection, meeting: dict[str, 
         incoming = torch.empty(int(their_header[4]), dtype=torch.uint8) if int(their_header[0]) else None
         _transfer(group, rank, payload, incoming, timeout)
         in_flight_s = time.perf_counter() - met
-        connection.send(("done", ((int(their_header[1]), int(their_header[2]), int(their_header[3])),
-                                  None if incoming is None else incoming.numpy(), in_flight_s)))
+        say(("done", ((int(their_header[1]), int(their_header[2]), int(their_header[3])),
+                      None if incoming is None else incoming.numpy(), in_flight_s)))
     except Exception as err:  # noqa: BLE001 - the parent reports it
-        connection.send(("error",
-                         f"{type(err).__name__}: {str(err).splitlines()[0] if str(err) else ''}"[:300]))
+        say(("error", f"{type(err).__name__}: {str(err).splitlines()[0] if str(err) else ''}"[:300]))
+
+
+def _watch_peer(meeting: dict[str, Any], say: Callable[[tuple[str, Any]], None]) -> None:
+    """In the exchange process, once both ends have come: look at the neighbour's store every WATCH_POLL_S, and
+    once it says the neighbour finished this round (its end of this exchange is over: it failed, e.g. its
+    connection was reset by a cut that this end's connection did not notice) and this exchange has not ended
+    within the handshake's time after that, say the exchange failed (the parent then kills this process)."""
+    host, port = meeting["peer_store"]
+    finished_at = None
+    store = None
+    while True:
+        time.sleep(WATCH_POLL_S)
+        try:
+            if store is None:
+                store = dist.TCPStore(host, port, None, False, timeout=timedelta(seconds=PROBE_S),
+                                      wait_for_workers=False)
+            done = int(store.get(DONE_ROUND_KEY)) if store.check([DONE_ROUND_KEY]) else 0
+        except Exception:  # noqa: BLE001 - the link may be cut: look again
+            store = None
+            continue
+        if done < meeting["round"]:
+            continue
+        if finished_at is None:
+            finished_at = time.perf_counter()
+        elif time.perf_counter() - finished_at > meeting["handshake_s"]:
+            say(("error", f"the peer finished round {done} without this exchange"))
+            return
 
 
 def _wait_for_peer(store: dist.TCPStore, meeting: dict[str, Any], timeout: timedelta) -> None:
