@@ -6,9 +6,11 @@ import copy
 import functools
 import threading
 import time
+from datetime import timedelta
 from pathlib import Path
 
 import numpy as np
+import torch
 import torch.distributed as dist
 from test_gossip import LR, federation
 
@@ -151,5 +153,46 @@ def test_an_end_whose_neighbour_went_away_as_they_met_gives_up_within_the_handsh
         second = ring_round(transports, 2, {0, 1, 2})
         assert all(o.message is not None for results in second.values() for o in results.values()), second
     finally:
+        for transport in transports.values():
+            transport.close()
+
+
+def test_an_exchange_whose_neighbour_finished_the_round_ends_within_the_handshake() -> None:
+    """A neighbour that met, swapped its first words and then left the exchange without this end noticing (a cut
+    reset its connection only), and says on its store that it finished the round: the exchange fails within the
+    handshake's time after this end sees that (10 s here), not the exchange's timeout."""
+    timeout_s = 40.0
+    ports = [free_port() for _ in range(2)]
+    transports = {i: GossipTransport(i, {j: ("127.0.0.1", ports[j]) for j in range(2)}, timeout_s) for i in range(2)}
+    prefix = "gossip/r1/0-1"
+    stalled = threading.Event()
+    swapped = threading.Event()
+
+    def neighbour_that_leaves() -> None:  # datacenter 1's end, rank 1: meets, swaps the first words, then nothing
+        store = dist.TCPStore("127.0.0.1", ports[0], None, False, wait_for_workers=False)
+        store.set(f"{prefix}/here/1", "1")
+        options = dist.ProcessGroupGloo._Options()
+        options._devices = [dist.ProcessGroupGloo.create_device(hostname="127.0.0.1")]
+        options._timeout = timedelta(seconds=timeout_s)
+        group = dist.ProcessGroupGloo(dist.PrefixStore(prefix, store), 1, 2, options)
+        theirs = torch.empty(2, dtype=torch.int64)
+        works = [group.send([torch.tensor([1, 0], dtype=torch.int64)], 0, 0), group.recv([theirs], 0, 0)]
+        for work in works:
+            work.wait()
+        swapped.set()
+        stalled.wait(2 * timeout_s)
+
+    try:
+        transports[1].end_round(1)  # its store says it finished round 1
+        leaving = threading.Thread(target=neighbour_that_leaves, daemon=True)
+        leaving.start()
+        started = time.perf_counter()
+        outcome = transports[0].exchange(1, 1, lambda holds: message(0, 1, 500, holds), 0)
+        waited = time.perf_counter() - started
+        assert swapped.is_set()  # it got as far as the first words: the handshake was over
+        assert outcome.message is None and outcome.error == "the peer finished round 1 without this exchange", outcome
+        assert waited < HANDSHAKE_MIN_S + 15, waited  # without the watch: the timeout at least (40 s)
+    finally:
+        stalled.set()
         for transport in transports.values():
             transport.close()
