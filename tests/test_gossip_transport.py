@@ -6,10 +6,12 @@ import copy
 import functools
 import threading
 import time
+from collections.abc import Callable, Iterator
 from datetime import timedelta
 from pathlib import Path
 
 import numpy as np
+import pytest
 import torch
 import torch.distributed as dist
 from test_gossip import LR, federation
@@ -23,6 +25,24 @@ from crossdc.strategies.gossip import Gossip
 from crossdc.strategies.mixing import SKETCH_SIZE
 
 TIMEOUT_S = 2.0
+#: makes `count` transports on loopback ports with an exchange timeout (closed after the test)
+Loopback = Callable[[int, float], dict[int, GossipTransport]]
+
+
+@pytest.fixture
+def loopback() -> Iterator[Loopback]:
+    made: list[GossipTransport] = []
+
+    def make(count: int, timeout_s: float) -> dict[int, GossipTransport]:
+        ports = [free_port() for _ in range(count)]
+        transports = {i: GossipTransport(i, {j: ("127.0.0.1", ports[j]) for j in range(count)}, timeout_s)
+                      for i in range(count)}
+        made.extend(transports.values())
+        return transports
+
+    yield make
+    for transport in made:
+        transport.close()
 
 
 def message(sender: int, server_round: int, size: int, holds: int) -> GossipMessage:
@@ -49,35 +69,30 @@ def ring_round(transports: dict[int, GossipTransport], server_round: int, presen
     return results
 
 
-def test_pairs_exchange_whole_messages_a_missing_neighbour_times_out_and_rejoins() -> None:
-    ports = [free_port() for _ in range(3)]
-    transports = {i: GossipTransport(i, {j: ("127.0.0.1", ports[j]) for j in range(3)}, TIMEOUT_S) for i in range(3)}
-    try:
-        first = ring_round(transports, 1, {0, 1, 2})
-        for i in range(3):
-            for peer, outcome in first[i].items():
-                assert outcome.error is None, outcome.error
-                expected = message(peer, 1, 1000 + 100 * peer, 0)  # what the peer sent, knowing we hold version 0
-                assert outcome.message is not None and outcome.message.kind == DELTA and outcome.message.base == 0
-                assert np.array_equal(outcome.message.payload, expected.payload)
-                assert outcome.bytes_received == expected.nbytes + 16 + 40
-                assert outcome.bytes_sent == 1000 + 100 * i + 16 + 40
-        started = time.perf_counter()
-        second = ring_round(transports, 2, {0, 1})  # datacenter 2 is away this round
-        waited = time.perf_counter() - started
-        assert second[0][1].message is not None and second[1][0].message is not None
-        assert second[0][2].message is None and second[0][2].error and second[1][2].message is None
-        assert waited < 5 * TIMEOUT_S  # nobody waits forever
-        assert transports[0].suspect == {2} and transports[1].suspect == {2}  # the next meetings with 2 only probe
-        third = ring_round(transports, 3, {0, 1, 2})  # back: nothing to rebuild, the next round meets afresh
-        assert all(o.message is not None for outcomes in third.values() for o in outcomes.values())
-        assert not transports[0].suspect and not transports[1].suspect
-    finally:
-        for transport in transports.values():
-            transport.close()
+def test_pairs_exchange_whole_messages_a_missing_neighbour_times_out_and_rejoins(loopback: Loopback) -> None:
+    transports = loopback(3, TIMEOUT_S)
+    first = ring_round(transports, 1, {0, 1, 2})
+    for i in range(3):
+        for peer, outcome in first[i].items():
+            assert outcome.error is None, outcome.error
+            expected = message(peer, 1, 1000 + 100 * peer, 0)  # what the peer sent, knowing we hold version 0
+            assert outcome.message is not None and outcome.message.kind == DELTA and outcome.message.base == 0
+            assert np.array_equal(outcome.message.payload, expected.payload)
+            assert outcome.bytes_received == expected.nbytes + 16 + 40
+            assert outcome.bytes_sent == 1000 + 100 * i + 16 + 40
+    started = time.perf_counter()
+    second = ring_round(transports, 2, {0, 1})  # datacenter 2 is away this round
+    waited = time.perf_counter() - started
+    assert second[0][1].message is not None and second[1][0].message is not None
+    assert second[0][2].message is None and second[0][2].error and second[1][2].message is None
+    assert waited < 5 * TIMEOUT_S  # nobody waits forever
+    assert transports[0].suspect == {2} and transports[1].suspect == {2}  # the next meetings with 2 only probe
+    third = ring_round(transports, 3, {0, 1, 2})  # back: nothing to rebuild, the next round meets afresh
+    assert all(o.message is not None for outcomes in third.values() for o in outcomes.values())
+    assert not transports[0].suspect and not transports[1].suspect
 
 
-def test_agents_over_the_transport_end_where_the_in_process_driver_does(tmp_path: Path) -> None:
+def test_agents_over_the_transport_end_where_the_in_process_driver_does(tmp_path: Path, loopback: Loopback) -> None:
     """Three datacenters on a ring, each an agent in its own thread exchanging over loopback gloo pairs: the same
     messages as the in-process driver hands over, so the same replicas, and a report per round with every link."""
     dcs = ["a", "b", "c"]
@@ -87,28 +102,23 @@ def test_agents_over_the_transport_end_where_the_in_process_driver_does(tmp_path
     for _ in range(3):
         reference.run_round()
     built = federation(Gossip(tau=3, params={"topology": "ring"}, run=info), dcs, tmp_path / "agents", codecs)
-    ports = [free_port() for _ in dcs]
-    transports = {i: GossipTransport(i, {j: ("127.0.0.1", ports[j]) for j in range(3)}, 20.0) for i in range(3)}
-    try:
-        agents = {}
-        for i, dc in enumerate(dcs):
-            replica = GossipReplica(copy.deepcopy(built.strategy), built.trainers[dc], i, built.weights, built.seeds[dc])
-            transport = transports[i]
-            agents[dc] = GossipAgent(replica, 3, functools.partial(exchange_all, transport),
-                                     observe=lambda server_round: server_round == 2)
-        finals = {dc: agent.final(120) for dc, agent in agents.items()}
-        for dc in dcs:
-            for name, value in reference.replica_weights()[dc].items():
-                assert np.array_equal(finals[dc][name], value), (dc, name)
-        reports, snapshots, finished = agents["a"].reports(acknowledged=1, wait_s=0)
-        assert finished and [r.server_round for r in reports] == [2, 3] and list(snapshots) == [2]
-        assert all(len(r.sketch) == SKETCH_SIZE for r in reports)
-        assert set(reports[0].links) == {1, 2} and all(link["used"] and link["error"] is None
-                                                       for link in reports[0].links.values())
-        assert agents["a"].reports(acknowledged=3, wait_s=0)[0] == []  # acknowledged: forgotten
-    finally:
-        for transport in transports.values():
-            transport.close()
+    transports = loopback(3, 20.0)
+    agents = {}
+    for i, dc in enumerate(dcs):
+        replica = GossipReplica(copy.deepcopy(built.strategy), built.trainers[dc], i, built.weights, built.seeds[dc])
+        transport = transports[i]
+        agents[dc] = GossipAgent(replica, 3, functools.partial(exchange_all, transport),
+                                 observe=lambda server_round: server_round == 2)
+    finals = {dc: agent.final(120) for dc, agent in agents.items()}
+    for dc in dcs:
+        for name, value in reference.replica_weights()[dc].items():
+            assert np.array_equal(finals[dc][name], value), (dc, name)
+    reports, snapshots, finished = agents["a"].reports(acknowledged=1, wait_s=0)
+    assert finished and [r.server_round for r in reports] == [2, 3] and list(snapshots) == [2]
+    assert all(len(r.sketch) == SKETCH_SIZE for r in reports)
+    assert set(reports[0].links) == {1, 2} and all(link["used"] and link["error"] is None
+                                                   for link in reports[0].links.values())
+    assert agents["a"].reports(acknowledged=3, wait_s=0)[0] == []  # acknowledged: forgotten
 
 
 def test_the_handshake_gets_thirty_round_trips_at_least_ten_seconds_at_most_the_timeout() -> None:
@@ -118,13 +128,12 @@ def test_the_handshake_gets_thirty_round_trips_at_least_ten_seconds_at_most_the_
     assert handshake_timeout(0.001, 4.0) == 4.0
 
 
-def test_an_end_whose_neighbour_went_away_as_they_met_gives_up_within_the_handshake() -> None:
+def test_an_end_whose_neighbour_went_away_as_they_met_gives_up_within_the_handshake(loopback: Loopback) -> None:
     """A neighbour that says it has come to the meeting and is gone before the pair connects (a link cut just then)
     costs each end the handshake (10 s here: loopback's round trip is tiny), not the exchange's three timeouts; the
     store it met on serves the next round's meetings."""
     timeout_s = 40.0
-    ports = [free_port() for _ in range(3)]
-    transports = {i: GossipTransport(i, {j: ("127.0.0.1", ports[j]) for j in range(3)}, timeout_s) for i in range(3)}
+    transports = loopback(3, timeout_s)
     outcomes: dict[int, Exchanged] = {}
     waited: dict[int, float] = {}
 
@@ -133,43 +142,38 @@ def test_an_end_whose_neighbour_went_away_as_they_met_gives_up_within_the_handsh
         outcomes[i] = transports[i].exchange(1, peer, lambda holds: message(i, 1, 500, holds), 0)
         waited[i] = time.perf_counter() - started
 
-    try:
-        # 0 meets 1 on its own store as rank 0; 2 meets 1 on 1's store as rank 1. The "neighbour" only says it came.
-        for host_port, prefix, rank in ((ports[0], "gossip/r1/0-1", 1), (ports[1], "gossip/r1/1-2", 0)):
-            store = dist.TCPStore("127.0.0.1", host_port, None, False, wait_for_workers=False)
-            store.set(f"{prefix}/here/{rank}", "1")
-        threads = [threading.Thread(target=exchange, args=(i, 1)) for i in (0, 2)]
-        for thread in threads:
-            thread.start()
-        for thread in threads:
-            thread.join(timeout=4 * timeout_s)
-        for i in (0, 2):
-            assert outcomes[i].message is None and outcomes[i].error, outcomes[i]
-            assert 1 in transports[i].suspect
-            # the handshake's 10 s (its process killed 5 s after); without that bound, a timeout at least (40 s)
-            assert waited[i] < HANDSHAKE_MIN_S + 15, (i, waited[i], outcomes[i].error)
-        for transport in transports.values():
-            transport.end_round(1)
-        second = ring_round(transports, 2, {0, 1, 2})
-        assert all(o.message is not None for results in second.values() for o in results.values()), second
-    finally:
-        for transport in transports.values():
-            transport.close()
+    # 0 meets 1 on its own store as rank 0; 2 meets 1 on 1's store as rank 1. The "neighbour" only says it came.
+    for host, prefix, rank in ((0, "gossip/r1/0-1", 1), (1, "gossip/r1/1-2", 0)):
+        store = dist.TCPStore(*transports[host].addresses[host], None, False, wait_for_workers=False)
+        store.set(f"{prefix}/here/{rank}", "1")
+    threads = [threading.Thread(target=exchange, args=(i, 1)) for i in (0, 2)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join(timeout=4 * timeout_s)
+    for i in (0, 2):
+        assert outcomes[i].message is None and outcomes[i].error, outcomes[i]
+        assert 1 in transports[i].suspect
+        # the handshake's 10 s (its process killed 5 s after); without that bound, a timeout at least (40 s)
+        assert waited[i] < HANDSHAKE_MIN_S + 15, (i, waited[i], outcomes[i].error)
+    for transport in transports.values():
+        transport.end_round(1)
+    second = ring_round(transports, 2, {0, 1, 2})
+    assert all(o.message is not None for results in second.values() for o in results.values()), second
 
 
-def test_an_exchange_whose_neighbour_finished_the_round_ends_within_the_handshake() -> None:
+def test_an_exchange_whose_neighbour_finished_the_round_ends_within_the_handshake(loopback: Loopback) -> None:
     """A neighbour that met, swapped its first words and then left the exchange without this end noticing (a cut
     reset its connection only), and says on its store that it finished the round: the exchange fails within the
     handshake's time after this end sees that (10 s here), not the exchange's timeout."""
     timeout_s = 40.0
-    ports = [free_port() for _ in range(2)]
-    transports = {i: GossipTransport(i, {j: ("127.0.0.1", ports[j]) for j in range(2)}, timeout_s) for i in range(2)}
+    transports = loopback(2, timeout_s)
     prefix = "gossip/r1/0-1"
     stalled = threading.Event()
     swapped = threading.Event()
 
     def neighbour_that_leaves() -> None:  # datacenter 1's end, rank 1: meets, swaps the first words, then nothing
-        store = dist.TCPStore("127.0.0.1", ports[0], None, False, wait_for_workers=False)
+        store = dist.TCPStore(*transports[0].addresses[0], None, False, wait_for_workers=False)
         store.set(f"{prefix}/here/1", "1")
         options = dist.ProcessGroupGloo._Options()
         options._devices = [dist.ProcessGroupGloo.create_device(hostname="127.0.0.1")]
@@ -194,5 +198,3 @@ def test_an_exchange_whose_neighbour_finished_the_round_ends_within_the_handshak
         assert waited < HANDSHAKE_MIN_S + 15, waited  # without the watch: the timeout at least (40 s)
     finally:
         stalled.set()
-        for transport in transports.values():
-            transport.close()

@@ -33,9 +33,9 @@ Promises:
   :meth:`GossipTransport.exchange` return with the reason and no message within 3 × ``timeout_s`` (the meeting,
   the swap, the payload): nobody waits forever, and a message is returned whole or not at all. Once both ends
   have come, connecting the pair and swapping the first words gets :func:`handshake_timeout` (30 round trips of
-  the link, the least time a probe of it took; at least 10 s; the exchange's process is killed 5 s after): an end whose
-  neighbour went away as they met (a link cut just then) gives up within seconds, and its other neighbours do not
-  wait on it for a whole timeout. And an exchange under way ends as failed once its neighbour has finished the
+  the link, the least time a probe of it took; at least 10 s; the exchange's process is killed 5 s after): an end
+  whose neighbour went away as they met (a link cut just then) gives up within seconds, and its other neighbours
+  do not wait on it for a whole timeout. And an exchange under way ends as failed once its neighbour has finished the
   round (its store says so) and the handshake's time has passed since: a cut can reset one end's connection and
   not the other's, whose gloo receive would otherwise wait out the whole timeout;
 - before meeting a neighbour, a datacenter checks that it can reach the neighbour's rendezvous store at all (a TCP
@@ -83,7 +83,7 @@ _HEADER_WORDS = 5
 #: how long a datacenter tries to reach a neighbour's store before it gives up on it for the round
 PROBE_S = 1.5
 #: the least time two ends that have both come to a meeting get to connect their pair and swap their first words, and
-#: that time in round trips of the link (as the probe measured one): these steps cross the link a few times each, so
+#: that time in round trips of the link (the least time its probe took): these steps cross the link a few times each, so
 #: an end whose neighbour went away in between (a link cut as they met) gives up within seconds, not a whole timeout
 HANDSHAKE_MIN_S, HANDSHAKE_ROUND_TRIPS = 10.0, 30
 #: how much longer than that the datacenter waits for the exchange's process before it kills it (gloo retries a
@@ -295,8 +295,7 @@ class GossipTransport:
             self.suspect.discard(peer)
             return Exchanged(peer, arrived, sent, received, in_flight_s)
         except Exception as err:  # noqa: BLE001 - a failed exchange is a missing neighbour, never a crash
-            reason = (str(err) if isinstance(err, ExchangeFailed)
-                      else f"{type(err).__name__}: {str(err).splitlines()[0] if str(err) else ''}")[:300]
+            reason = str(err)[:300] if isinstance(err, ExchangeFailed) else _reason(err)
             log.info("round %d: exchange with datacenter %d failed: %s", server_round, peer, reason)
             self.suspect.add(peer)
             if self.index < peer and str(err) == DEADLINE_PASSED:  # a meeting on this store hung past every timeout
@@ -306,6 +305,11 @@ class GossipTransport:
             ours.close()
             if child is not None:
                 _reap(child)
+
+
+def _reason(err: BaseException) -> str:
+    """A failure in one line: its type and its message's first line, at most 300 characters."""
+    return f"{type(err).__name__}: {str(err).splitlines()[0] if str(err) else ''}"[:300]
 
 
 def _reap(child: multiprocessing.process.BaseProcess) -> None:
@@ -323,7 +327,7 @@ def _serve_store(connection: multiprocessing.connection.Connection, host: str, p
     try:
         store = dist.TCPStore(host, port, None, True, timeout=timedelta(seconds=timeout_s), wait_for_workers=False)
     except Exception as err:  # noqa: BLE001 - the parent reports it
-        connection.send(("error", f"{type(err).__name__}: {str(err).splitlines()[0] if str(err) else ''}"[:300]))
+        connection.send(("error", _reason(err)))
         return
     connection.send(("ready", None))
     offered: list[int] = []
@@ -356,7 +360,7 @@ def _read_offer(connection: multiprocessing.connection.Connection, address: tupl
             value = np.frombuffer(store.get(key), np.uint8).copy() if store.check([key]) else None
         connection.send(("done", value))
     except Exception as err:  # noqa: BLE001 - the parent reports it
-        connection.send(("error", f"{type(err).__name__}: {str(err).splitlines()[0] if str(err) else ''}"[:300]))
+        connection.send(("error", _reason(err)))
 
 
 def _receive(connection: multiprocessing.connection.Connection, deadline: float, late: str = DEADLINE_PASSED) -> Any:
@@ -417,7 +421,7 @@ def _meet(connection: multiprocessing.connection.Connection, meeting: dict[str, 
         say(("done", ((int(their_header[1]), int(their_header[2]), int(their_header[3])),
                       None if incoming is None else incoming.numpy(), in_flight_s)))
     except Exception as err:  # noqa: BLE001 - the parent reports it
-        say(("error", f"{type(err).__name__}: {str(err).splitlines()[0] if str(err) else ''}"[:300]))
+        say(("error", _reason(err)))
 
 
 def _watch_peer(meeting: dict[str, Any], say: Callable[[tuple[str, Any]], None]) -> None:
@@ -434,7 +438,7 @@ def _watch_peer(meeting: dict[str, Any], say: Callable[[tuple[str, Any]], None])
             if store is None:
                 store = dist.TCPStore(host, port, None, False, timeout=timedelta(seconds=PROBE_S),
                                       wait_for_workers=False)
-            done = int(store.get(DONE_ROUND_KEY)) if store.check([DONE_ROUND_KEY]) else 0
+            done = _done_round(store)
         except Exception:  # noqa: BLE001 - the link may be cut: look again
             store = None
             continue
@@ -470,12 +474,17 @@ def _await_peer(store: dist.TCPStore, meeting: dict[str, Any], timeout: timedelt
         peer_store = dist.TCPStore(host, port, None, False, timeout=timeout, wait_for_workers=False)
     deadline = time.perf_counter() + timeout.total_seconds()
     while not store.check([f"{prefix}/here/{1 - rank}"]):
-        done = int(peer_store.get(DONE_ROUND_KEY)) if peer_store.check([DONE_ROUND_KEY]) else 0
+        done = _done_round(peer_store)
         if done >= server_round:
             raise ExchangeFailed(f"the peer finished round {done} without this meeting")
         if time.perf_counter() > deadline:
             raise ExchangeFailed(f"the peer did not come within {timeout.total_seconds():g}s")
         time.sleep(MEETING_POLL_S)
+
+
+def _done_round(store: dist.TCPStore) -> int:
+    """The last round whose exchanges the datacenter hosting `store` finished (0: none yet)."""
+    return int(store.get(DONE_ROUND_KEY)) if store.check([DONE_ROUND_KEY]) else 0
 
 
 def _swap(group: dist.ProcessGroup, rank: int, mine: torch.Tensor, timeout: timedelta) -> torch.Tensor:
