@@ -82,6 +82,10 @@ _KIND_NAMES = {v: k for k, v in _KINDS.items()}
 _HEADER_WORDS = 5
 #: how long a datacenter tries to reach a neighbour's store before it gives up on it for the round
 PROBE_S = 1.5
+#: how long an exchange's process tries to connect to a store that answered the probe a moment ago: torch retries a
+#: refused connect for a store client's whole timeout, then once more after a random delay (138 s measured at a 60-s
+#: timeout when the neighbour died just after the probe), so the connect gets its own short timeout
+STORE_CONNECT_S = 3.0
 #: the least time two ends that have both come to a meeting get to connect their pair and swap their first words, and
 #: that time in round trips of the link (the least time its probe took): these steps cross the link a few times each, so
 #: an end whose neighbour went away in between (a link cut as they met) gives up within seconds, not a whole timeout
@@ -351,8 +355,7 @@ def _read_offer(connection: multiprocessing.connection.Connection, address: tupl
     """The process that reads a neighbour's offer: the round it offers (`server_round` None; None if it offers
     none) or that round's replica as uint8 (None if gone), as ("done", value); a failure as ("error", reason)."""
     try:
-        store = dist.TCPStore(address[0], address[1], None, False, timeout=timedelta(seconds=timeout_s),
-                              wait_for_workers=False)
+        store = _connect(address, timedelta(seconds=timeout_s))
         if server_round is None:
             value: Any = int(store.get(REPLICA_ROUND_KEY)) if store.check([REPLICA_ROUND_KEY]) else None
         else:
@@ -389,8 +392,7 @@ def _meet(connection: multiprocessing.connection.Connection, meeting: dict[str, 
 
     try:
         timeout = timedelta(seconds=meeting["timeout_s"])
-        host, port = meeting["store"]
-        store = dist.TCPStore(host, port, None, False, timeout=timeout, wait_for_workers=False)
+        store = _connect(meeting["store"], timeout)
         options = dist.ProcessGroupGloo._Options()
         options._devices = [dist.ProcessGroupGloo.create_device(hostname=meeting["hostname"])]
         rank = meeting["rank"]
@@ -467,11 +469,8 @@ def _wait_for_peer(store: dist.TCPStore, meeting: dict[str, Any], timeout: timed
 
 def _await_peer(store: dist.TCPStore, meeting: dict[str, Any], timeout: timedelta) -> None:
     prefix, rank, server_round = meeting["prefix"], meeting["rank"], meeting["round"]
-    if rank == 1:
-        peer_store = store  # the host's store is the meeting's
-    else:
-        host, port = meeting["peer_store"]
-        peer_store = dist.TCPStore(host, port, None, False, timeout=timeout, wait_for_workers=False)
+    # rank 1: the host's store is the meeting's
+    peer_store = store if rank == 1 else _connect(meeting["peer_store"], timeout)
     deadline = time.perf_counter() + timeout.total_seconds()
     while not store.check([f"{prefix}/here/{1 - rank}"]):
         done = _done_round(peer_store)
@@ -480,6 +479,15 @@ def _await_peer(store: dist.TCPStore, meeting: dict[str, Any], timeout: timedelt
         if time.perf_counter() > deadline:
             raise ExchangeFailed(f"the peer did not come within {timeout.total_seconds():g}s")
         time.sleep(MEETING_POLL_S)
+
+
+def _connect(address: tuple[str, int], timeout: timedelta) -> dist.TCPStore:
+    """A client of the store at `address` whose operations wait up to `timeout`; DistNetworkError if it cannot connect
+    within STORE_CONNECT_S (the store answered a probe a moment ago: a refused connect means it has gone)."""
+    store = dist.TCPStore(address[0], address[1], None, False, timeout=timedelta(seconds=STORE_CONNECT_S),
+                          wait_for_workers=False)
+    store.set_timeout(timeout)
+    return store
 
 
 def _done_round(store: dist.TCPStore) -> int:
