@@ -431,15 +431,13 @@ def _watch_peer(meeting: dict[str, Any], say: Callable[[tuple[str, Any]], None])
     once it says the neighbour finished this round (its end of this exchange is over: it failed, e.g. its
     connection was reset by a cut that this end's connection did not notice) and this exchange has not ended
     within the handshake's time after that, say the exchange failed (the parent then kills this process)."""
-    host, port = meeting["peer_store"]
     finished_at = None
     store = None
     while True:
         time.sleep(WATCH_POLL_S)
         try:
             if store is None:
-                store = dist.TCPStore(host, port, None, False, timeout=timedelta(seconds=PROBE_S),
-                                      wait_for_workers=False)
+                store = _connect(meeting["peer_store"], timedelta(seconds=PROBE_S), connect_s=PROBE_S)
             done = _done_round(store)
         except Exception:  # noqa: BLE001 - the link may be cut: look again
             store = None
@@ -481,10 +479,10 @@ def _await_peer(store: dist.TCPStore, meeting: dict[str, Any], timeout: timedelt
         time.sleep(MEETING_POLL_S)
 
 
-def _connect(address: tuple[str, int], timeout: timedelta) -> dist.TCPStore:
+def _connect(address: tuple[str, int], timeout: timedelta, connect_s: float = STORE_CONNECT_S) -> dist.TCPStore:
     """A client of the store at `address` whose operations wait up to `timeout`; DistNetworkError if it cannot connect
-    within STORE_CONNECT_S (the store answered a probe a moment ago: a refused connect means it has gone)."""
-    store = dist.TCPStore(address[0], address[1], None, False, timeout=timedelta(seconds=STORE_CONNECT_S),
+    within `connect_s` (the store answered a probe a moment ago: a refused connect means it has gone)."""
+    store = dist.TCPStore(address[0], address[1], None, False, timeout=timedelta(seconds=connect_s),
                           wait_for_workers=False)
     store.set_timeout(timeout)
     return store
