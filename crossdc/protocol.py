@@ -496,7 +496,8 @@ class PipelineRequest:
     """What the ClientApp hands a stage's persistent trainer for one message of a pipeline run: run the round's `tau`
     optimizer steps with the other stages and report them, with the stage's weights after them if `weights`; in a
     resumed attempt, the round of the checkpoint it continues from (`resume_round`); when the run checkpoints, the
-    round of the server's oldest retained checkpoint (`checkpoint_round`)."""
+    round of the server's oldest retained checkpoint (`checkpoint_round`); in a run of several replicas, the
+    stage's blocks of the global model to begin the round from (`global_weights`, sent as the message's tensors)."""
 
     run_id: str
     round: int
@@ -505,6 +506,7 @@ class PipelineRequest:
     attempt: int = 1
     checkpoint_round: int | None = None
     resume_round: int | None = None
+    global_weights: dict[str, np.ndarray] | None = None
 
     @classmethod
     def from_message(cls, content: RecordDict) -> PipelineRequest:
@@ -515,14 +517,18 @@ class PipelineRequest:
                        weights=bool(config.get(PIPELINE_WEIGHTS, False)),
                        attempt=config_int(config, ATTEMPT) if ATTEMPT in config else 1,
                        checkpoint_round=config_int(config, CHECKPOINT_ROUND) if CHECKPOINT_ROUND in config else None,
-                       resume_round=config_int(config, RESUME_ROUND) if RESUME_ROUND in config else None)
+                       resume_round=config_int(config, RESUME_ROUND) if RESUME_ROUND in config else None,
+                       global_weights=decode_tensors(content) if has_tensors(content, ARRAYS_KEY) else None)
         except KeyError as err:
             raise ProtocolError(f"pipeline message: missing config entry {err.args[0]!r}") from None
+        except PayloadError as err:
+            raise ProtocolError(f"pipeline message: {err}") from None
 
     def to_dict(self) -> dict[str, Any]:
         """The request as sent over the trainer's local channel (``{"op": "pipeline", ...}``)."""
         return {"op": PIPELINE_OP, "run_id": self.run_id, "round": self.round, "tau": self.tau, "weights": self.weights,
-                "attempt": self.attempt, "checkpoint_round": self.checkpoint_round, "resume_round": self.resume_round}
+                "attempt": self.attempt, "checkpoint_round": self.checkpoint_round, "resume_round": self.resume_round,
+                "global_weights": self.global_weights}
 
     @classmethod
     def from_dict(cls, request: Mapping[str, Any]) -> PipelineRequest:
@@ -530,8 +536,11 @@ class PipelineRequest:
         try:
             optional = {key: int(request[key]) for key in ("checkpoint_round", "resume_round")
                         if request.get(key) is not None}
+            given = request.get("global_weights")
+            global_weights = None if given is None else {str(k): np.asarray(v, np.float32) for k, v in dict(given).items()}
             return cls(run_id=str(request["run_id"]), round=int(request["round"]), tau=int(request["tau"]),
-                       weights=bool(request.get("weights", False)), attempt=int(request.get("attempt", 1)), **optional)
+                       weights=bool(request.get("weights", False)), attempt=int(request.get("attempt", 1)),
+                       global_weights=global_weights, **optional)
         except KeyError as err:
             raise ProtocolError(f"a pipeline request needs {err.args[0]!r}") from None
         except (TypeError, ValueError) as err:

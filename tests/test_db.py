@@ -69,7 +69,7 @@ EXPECTED_COLUMNS: dict[str, set[str]] = {
                        "microbatch", "step"},
     "link_rounds": {"id", "run_id", "round", "src", "dst", "bytes", "in_flight_s", "error"},
     "pipeline_stages": {
-        "id", "run_id", "round", "stage", "datacenter", "steps", "microbatches", "compute_s", "wall_s",
+        "id", "run_id", "round", "replica", "stage", "datacenter", "steps", "microbatches", "compute_s", "wall_s",
         "bubble_fraction", "bytes_forward", "bytes_backward", "bytes_source", "train_loss",
     },
     "api_tokens": {"id", "name", "role", "token_hash", "created_at", "revoked_at", "last_used_at"},

@@ -11,12 +11,14 @@ from crossdc.protocol import (
     LAYOUT_KEY,
     RESULTS_OF,
     PayloadError,
+    PipelineRequest,
     ProtocolError,
     StreamRequest,
     decode_tensors,
     encode_results,
     encode_tensors,
     payload_bytes,
+    pipeline_config,
     raw_fp32_bytes,
     stream_config,
 )
@@ -98,3 +100,18 @@ def test_compressed_results_travel_as_raw_bytes_beside_dense_ones() -> None:
     both.array_records[result_payload_key(3)] = only_compressed.array_records[result_payload_key(3)]
     with pytest.raises(ProtocolError, match="both a compressed result and result tensors"):
         StreamRequest.from_message(both)
+
+
+def test_a_pipeline_message_carries_a_replica_stage_s_global_blocks_through_to_its_trainer() -> None:
+    task = pipeline_config(server_round=2, tau=3, run_id="r", run_dir="/tmp/r", datacenter="a", weights=True, attempt=1)
+    blocks = {"net.0.weight": np.arange(6, dtype=np.float32).reshape(2, 3), "net.0.bias": np.ones(2, np.float32)}
+    request = PipelineRequest.from_message(RecordDict({CONFIG_KEY: ConfigRecord(task), **encode_tensors(blocks)}))
+    assert request.weights and request.global_weights is not None
+    again = PipelineRequest.from_dict(request.to_dict())  # over the trainer's local channel
+    for name, value in blocks.items():
+        np.testing.assert_array_equal(again.global_weights[name], value)
+    assert PipelineRequest.from_message(RecordDict({CONFIG_KEY: ConfigRecord(task)})).global_weights is None
+    spoiled = encode_tensors(blocks)
+    spoiled[LAYOUT_KEY] = ConfigRecord({"tensors": '[["net.0.weight", [4, 4]]]'})
+    with pytest.raises(ProtocolError, match="pipeline message"):
+        PipelineRequest.from_message(RecordDict({CONFIG_KEY: ConfigRecord(task), **spoiled}))

@@ -46,7 +46,7 @@ STEP_S = 10.0
 def stage_row(stage: int, round_: int) -> dict[str, Any]:
     """Stage `stage`'s part of round `round_`, as the API answers it."""
     last = stage == len(DATACENTERS) - 1
-    return {"round": round_, "stage": stage, "datacenter": DATACENTERS[stage], "steps": STEPS,
+    return {"round": round_, "replica": 0, "stage": stage, "datacenter": DATACENTERS[stage], "steps": STEPS,
             "microbatches": MICROBATCHES, "compute_s": 12.0, "wall_s": 2 * STEP_S, "bubble_fraction": 0.4 - 0.05 * round_,
             "bytes_forward": 0 if last else 4096 * round_, "bytes_backward": 2048 * round_ if stage else 0,
             "bytes_source": "delay-line", "train_loss": 2.0 / round_ if last else None}

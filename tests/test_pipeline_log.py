@@ -1,4 +1,4 @@
-"""What a pipeline run logs (revision 0010), on SQLite and PostgreSQL: each stage's part of each round
+"""What a pipeline run logs (revisions 0010 and 0011), on SQLite and PostgreSQL: each stage's part of each round
 (``pipeline_stages``, through ``RunLog.log_pipeline_stage``) and its micro-batches' forward and backward spans
 (``timeline_spans`` with ``microbatch`` and ``step``), from the migration up and down to the rows a resumed run forgets.
 """
@@ -20,7 +20,7 @@ from crossdc.db.records import PipelineStageRecord, TimelineSpanRecord
 from crossdc.db.runlog import RunLog
 
 PIPELINE_COLUMNS = {
-    "id", "run_id", "round", "stage", "datacenter", "steps", "microbatches", "compute_s", "wall_s", "bubble_fraction",
+    "id", "run_id", "round", "replica", "stage", "datacenter", "steps", "microbatches", "compute_s", "wall_s", "bubble_fraction",
     "bytes_forward", "bytes_backward", "bytes_source", "train_loss",
 }
 DATACENTERS = ("us-east", "eu-west")
@@ -71,12 +71,11 @@ def test_revision_0010_adds_pipeline_stages_and_microbatch_spans_and_goes_back(f
     try:
         assert "pipeline_stages" not in inspect(engine).get_table_names()
         upgrade(fresh_url)
-        assert current_revision(fresh_url) == "0010" == head_revisions()[0]
+        assert current_revision(fresh_url) == head_revisions()[0]
         insp = inspect(engine)
         assert {c["name"] for c in insp.get_columns("pipeline_stages")} == PIPELINE_COLUMNS
         nullable = {c["name"]: c["nullable"] for c in insp.get_columns("pipeline_stages")}
         assert [c for c, n in nullable.items() if n] == ["train_loss"]
-        assert ["run_id", "round", "stage"] in [u["column_names"] for u in insp.get_unique_constraints("pipeline_stages")]
         assert [(fk["referred_table"], fk["options"].get("ondelete")) for fk in insp.get_foreign_keys("pipeline_stages")] \
             == [("runs", "CASCADE")]
         span_columns = {c["name"]: c["nullable"] for c in insp.get_columns("timeline_spans")}
@@ -121,7 +120,6 @@ def test_revision_0010_adds_pipeline_stages_and_microbatch_spans_and_goes_back(f
             conn.execute(text("INSERT INTO timeline_spans (run_id, round, datacenter, kind, start_s, end_s) "
                               "VALUES ('r', 1, 'a', 'forward', 0, 1)"))
         upgrade(fresh_url)
-        assert current_revision(fresh_url) == "0010"
         assert {c["name"] for c in inspect(engine).get_columns("pipeline_stages")} == PIPELINE_COLUMNS
     finally:
         engine.dispose()
@@ -133,7 +131,8 @@ def test_revision_0010_adds_pipeline_stages_and_microbatch_spans_and_goes_back(f
 def test_records_are_the_columns() -> None:
     assert [f.name for f in dataclasses.fields(PipelineStageRecord)] == [
         "stage", "datacenter", "steps", "microbatches", "compute_s", "wall_s", "bubble_fraction", "bytes_forward",
-        "bytes_backward", "bytes_source", "train_loss"]
+        "bytes_backward", "bytes_source", "replica", "train_loss"]
+    assert PipelineStageRecord.__dataclass_fields__["replica"].default == 0  # one pipeline unless told
     assert [f.name for f in dataclasses.fields(TimelineSpanRecord)][-2:] == ["microbatch", "step"]
     assert SPAN_KINDS == TIMELINE_SPAN_KINDS + MICROBATCH_SPAN_KINDS == ("compute", "wait", "up", "down", "forward", "backward")
     assert PIPELINE_BYTES_SOURCES == ("delay-line", "stage")
@@ -227,3 +226,43 @@ def test_a_bad_microbatch_span_raises_and_nothing_of_its_batch_is_queued(migrate
         with pytest.raises(ValueError, match=message):
             log.log_timeline_spans(run_id="r", spans=[microbatch_spans(1)[0], span])
         assert log.stats()["enqueued"] == before
+
+
+@pytest.mark.timeout(60)
+def test_revision_0011_gives_each_stage_row_its_replica_and_goes_back(fresh_url: str) -> None:
+    upgrade(fresh_url, "0010")
+    engine = make_engine(fresh_url)
+    row = {"run_id": "r", "round": 1, **{k: v for k, v in dataclasses.asdict(stage_record(0, 1)).items()
+                                         if k != "replica"}}
+
+    def insert(**changes: Any) -> None:
+        values = {**row, **changes}
+        with engine.begin() as conn:
+            conn.execute(text(f"INSERT INTO pipeline_stages ({', '.join(values)}) VALUES "
+                              f"({', '.join(':' + k for k in values)})"), values)
+
+    try:
+        with engine.begin() as conn:
+            conn.execute(text("INSERT INTO runs (id, name, strategy, status, config, rounds_planned, started_at, "
+                              "flower_run_ids, baseline) VALUES ('r', 'r', 'pipeline', 'running', '{}', 1, "
+                              "CURRENT_TIMESTAMP, '', 'none')"))
+        insert()  # a row written before the revision
+        upgrade(fresh_url)
+        assert current_revision(fresh_url) == "0011" == head_revisions()[0]
+        insp = inspect(engine)
+        assert {c["name"] for c in insp.get_columns("pipeline_stages")} == PIPELINE_COLUMNS
+        assert ["run_id", "round", "replica", "stage"] in [u["column_names"]
+                                                           for u in insp.get_unique_constraints("pipeline_stages")]
+        assert [r["replica"] for r in list_pipeline_stages(engine, "r")] == [0]  # the old row is replica 0's
+        insert(replica=1)  # the same round and stage of another replica
+        with pytest.raises(IntegrityError):
+            insert(replica=1)
+        # 0010 keeps one row per round and stage: the downgrade drops the other replicas' rows
+        downgrade(fresh_url, "0010")
+        assert "replica" not in {c["name"] for c in inspect(engine).get_columns("pipeline_stages")}
+        with engine.connect() as conn:
+            assert conn.execute(text("SELECT count(*) FROM pipeline_stages")).scalar() == 1
+        upgrade(fresh_url)
+        assert current_revision(fresh_url) == "0011"
+    finally:
+        engine.dispose()

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import copy
 
+import numpy as np
 import pytest
 import torch
 from torch import nn
@@ -14,7 +15,7 @@ from crossdc.experiment.config import ExperimentConfig, parse_config
 from crossdc.experiment.processes import free_port
 from crossdc.orchestration.local_run import LocalRunOptions, RunFailed, run_local
 from crossdc.strategies.base import RunInfo, StrategyError
-from crossdc.strategies.pipeline import Pipeline, bubble_fraction, stage_blocks
+from crossdc.strategies.pipeline import Pipeline, bubble_fraction, replica_groups, stage_blocks
 from crossdc.workloads.errors import WorkloadError
 from crossdc.workloads.models import MLP, CharTransformer, Conv1dNet
 from crossdc.workloads.stages import model_blocks, split_model
@@ -157,3 +158,46 @@ def test_1f1b_needs_as_many_micro_batches_as_stages() -> None:
     Pipeline(tau=1, params={"microbatches": 2, "schedule": "gpipe"}, run=info)
     with pytest.raises(StrategyError, match="schedule '1f1b' needs at least as many micro-batches as stages"):
         Pipeline(tau=1, params={"microbatches": 2, "schedule": "1f1b"}, run=info)
+
+
+def test_replicas_cut_the_datacenters_replica_major_into_pipelines_of_equal_length() -> None:
+    names = ["a", "b", "c", "d", "e", "f"]
+    assert replica_groups(names, 1) == [names]
+    assert replica_groups(names, 2) == [["a", "b", "c"], ["d", "e", "f"]]
+    assert replica_groups(names, 3) == [["a", "b"], ["c", "d"], ["e", "f"]]
+    with pytest.raises(StrategyError, match="6 datacenters cannot form 4 pipelines of equal length"):
+        replica_groups(names, 4)
+    info = RunInfo(datacenters=tuple(names[:4]), optimizer="adamw", lr=1e-3, batch_size=16)
+    with pytest.raises(StrategyError, match="4 datacenters cannot form 3 pipelines"):
+        Pipeline(tau=1, params={"replicas": 3}, run=info)
+    # 1F1B's micro-batches are checked against a replica's stages (2), not all the datacenters (4)
+    Pipeline(tau=1, params={"replicas": 2, "microbatches": 2, "schedule": "1f1b"}, run=info)
+    with pytest.raises(StrategyError, match="replicas"):
+        Pipeline(tau=1, params={"replicas": 0}, run=info)
+
+
+def replicas_strategy(**params: float) -> Pipeline:
+    info = RunInfo(datacenters=("a", "b", "c", "d"), optimizer="adamw", lr=1e-3, batch_size=16, rounds=10)
+    return Pipeline(tau=1, params={"replicas": 2, **params}, run=info)
+
+
+def test_the_replicas_step_is_diloco_s_outer_step_on_the_mean_of_their_models() -> None:
+    x = {"w": np.array([1.0, 2.0], np.float32)}
+    replicas = [{"w": np.array([0.0, 2.0], np.float32)}, {"w": np.array([1.0, 4.0], np.float32)}]
+    # lr 1, no momentum: the plain average
+    np.testing.assert_allclose(replicas_strategy(outer_lr=1.0, outer_momentum=0.0).replica_step(x, replicas)["w"],
+                               [0.5, 3.0])
+    # lr 0.5, Nesterov 0.9: g = x − mean = (0.5, −1); step 1 x − 0.5·(g + 0.9·g), step 2 b = 0.9·g + g'
+    strategy = replicas_strategy(outer_lr=0.5, outer_momentum=0.9)
+    first = strategy.replica_step(x, replicas)
+    np.testing.assert_allclose(first["w"], [1.0 - 0.5 * 1.9 * 0.5, 2.0 + 0.5 * 1.9 * 1.0], rtol=1e-6)
+    resumed = replicas_strategy(outer_lr=0.5, outer_momentum=0.9)
+    resumed.load_state_dict(strategy.state_dict())  # a checkpoint carries the outer momentum
+    g2 = first["w"] - np.array([0.5, 3.0])
+    buffer = 0.9 * np.array([0.5, -1.0]) + g2
+    expected = first["w"] - 0.5 * (g2 + 0.9 * buffer)
+    for stepping in (strategy, resumed):
+        np.testing.assert_allclose(stepping.replica_step(first, replicas)["w"], expected, rtol=1e-5)
+    assert resumed.round_metrics(2, [])["outer_steps"] == 2
+    with pytest.raises(StrategyError, match="replicas > 1"):
+        Pipeline(tau=1, params={}, run=run_info(16)).replica_step(x, replicas)

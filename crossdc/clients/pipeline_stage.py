@@ -52,7 +52,7 @@ from crossdc.clients.local_training import BatchStream
 from crossdc.compression.activations import boundary_modules
 from crossdc.strategies.pipeline import schedule_order
 from crossdc.workloads import InnerOptions, Workload, make_optimizer, set_lr
-from crossdc.workloads.stages import split_model
+from crossdc.workloads.stages import split_model, stage_tensors
 
 log = logging.getLogger("crossdc.pipeline")
 
@@ -220,11 +220,6 @@ def stage_modules(model: nn.Module, blocks_per_stage: Sequence[int], codec: str,
     return wrapped, passed
 
 
-def _state_names(model: nn.Module) -> dict[int, str]:
-    """The unsplit model's state names by the identity of their tensors."""
-    return {id(tensor): name for name, tensor in model.state_dict(keep_vars=True).items()}
-
-
 class StageRunner:
     """One stage of a pipeline run (see the module docstring)."""
 
@@ -238,7 +233,6 @@ class StageRunner:
         self.first, self.last = settings.index == 0, settings.index == settings.stages - 1
         self.stream = BatchStream(workload.all_training(), batch_size, data_seed) if self.first or self.last else None
         sample = workload.all_training().tensors[0][: batch_size // settings.microbatches]
-        names = _state_names(model)
         modules, passed = stage_modules(model, blocks_per_stage, settings.activation_codec, sample, seed=codec_seed,
                                         codec_rank=settings.codec_rank)
         self.module = modules[settings.index]
@@ -249,7 +243,7 @@ class StageRunner:
         if not self.last:
             self.output_example = self.output_example.detach().requires_grad_(True)
         #: this stage's tensors under the unsplit model's names (the codec's own buffers are not the model's)
-        self.named = {names[id(t)]: t for t in self.module.state_dict(keep_vars=True).values() if id(t) in names}
+        self.named = stage_tensors(model, [self.module])[0]
         self.options, self.base_lr, self.horizon_steps = options or InnerOptions(), lr, horizon_steps or 0
         self.optimizer = make_optimizer(optimizer, [p for p in self.module.parameters() if p.requires_grad], lr,
                                         self.options)
@@ -348,10 +342,15 @@ class StageRunner:
         return {name: t.detach().cpu().numpy().astype(np.float32, copy=True) for name, t in self.named.items()}
 
     def set_weights(self, arrays: Mapping[str, np.ndarray]) -> None:
-        """Load this stage's weights (the unsplit model's names; other names are ignored, a missing one is an error)."""
+        """Load this stage's weights (the unsplit model's names; other names are ignored, a missing one or one of
+        another shape is a StageFailed naming it)."""
         missing = sorted(set(self.named) - set(arrays))
         if missing:
             raise StageFailed(f"stage {self.settings.index}: weights without {missing[:3]}")
+        wrong = [f"{name} {tuple(np.shape(arrays[name]))} (expected {tuple(t.shape)})" for name, t in self.named.items()
+                 if tuple(np.shape(arrays[name])) != tuple(t.shape)]
+        if wrong:
+            raise StageFailed(f"stage {self.settings.index}: weights of the wrong shape: {', '.join(wrong[:3])}")
         with torch.no_grad():
             for name, tensor in self.named.items():
                 tensor.copy_(torch.from_numpy(np.asarray(arrays[name])).to(tensor.dtype))

@@ -260,6 +260,8 @@ class DatacenterTrainer:
                                   "resume the run")
             if request.checkpoint_round is not None:  # keep the states a resume to that checkpoint needs
                 self.store.keep_from = request.checkpoint_round
+            if request.global_weights is not None:  # replicas: the round begins from the global model's blocks
+                stage.set_weights(request.global_weights)
             done = stage.train_steps(request.tau)
             self.store.save(PIPELINE_STATE_KEY, stage.state_dict(), request.round)
             self.stage_round = request.round
@@ -290,12 +292,16 @@ class DatacenterTrainer:
         if not group:
             raise StrategyError("the run's settings say nowhere for the stages to meet (this launcher cannot run a "
                                 "pipeline)")
-        config, names = self.config, self.config.datacenter_names
+        config = self.config
+        replicas = strategy.replicas(config.datacenter_names)
+        replica = next(r for r, names in enumerate(replicas) if self.datacenter in names)
+        names = replicas[replica]
+        master = group["masters"][replica] if "masters" in group else group["master"]
         params = strategy.params
         settings = StageSettings(
             index=names.index(self.datacenter), stages=len(names), microbatches=int(params["microbatches"]),
             schedule=str(params["schedule"]), activation_codec=str(params["activation_codec"]),
-            codec_rank=int(params["codec_rank"]) or None, master=f"{group['master'][0]}:{group['master'][1]}",
+            codec_rank=int(params["codec_rank"]) or None, master=f"{master[0]}:{master[1]}",
             generation=request.attempt,
             timeout_s=float(params["stage_timeout_s"]), interface=group.get("interfaces", {}).get(self.datacenter))
         workload = self.trainer.workload

@@ -62,7 +62,7 @@ TIMELINE_SPAN_FIELDS: tuple[str, ...] = (
     "round", "datacenter", "kind", "start_s", "end_s", "fragment", "exchange", "microbatch", "step",
 )
 PIPELINE_STAGE_FIELDS: tuple[str, ...] = (
-    "round", "stage", "datacenter", "steps", "microbatches", "compute_s", "wall_s", "bubble_fraction",
+    "round", "replica", "stage", "datacenter", "steps", "microbatches", "compute_s", "wall_s", "bubble_fraction",
     "bytes_forward", "bytes_backward", "bytes_source", "train_loss",
 )
 LINK_ROUND_FIELDS: tuple[str, ...] = ("round", "src", "dst", "bytes", "in_flight_s", "error")

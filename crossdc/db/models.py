@@ -260,18 +260,19 @@ class TimelineSpan(Base):
 
 class PipelineStage(Base):
     """One stage's part of one round of a pipeline run (revision 0010): stage ``stage`` (0 first, in config order)
-    on ``datacenter`` ran ``steps`` optimizer steps of ``microbatches`` micro-batches each; ``compute_s`` is its
-    forward and backward compute over the round, ``wall_s`` the round's steps end to end at the stage, and
-    ``bubble_fraction`` the share of ``wall_s`` it was not computing. ``bytes_forward``: the activation bytes that
-    crossed the boundary after the stage, toward stage + 1 (0 for the last stage); ``bytes_backward``: the gradient
-    bytes that crossed the boundary before it, back to stage - 1 (0 for the first); ``bytes_source`` says who
-    counted them (``delay-line``: the WAN emulator's link ledger; ``stage``: the stage itself). ``train_loss``: the
-    last stage's mean micro-batch loss (NULL on the others). Its non-key columns are the fields of
-    crossdc.db.records.PipelineStageRecord, checked by their ``info`` (``minimum``, ``maximum``, ``choices``)."""
+    of pipeline ``replica`` (revision 0011; 0 unless the run has several) on ``datacenter`` ran ``steps`` optimizer
+    steps of ``microbatches`` micro-batches each; ``compute_s`` is its forward and backward compute over the round,
+    ``wall_s`` the round's steps end to end at the stage, and ``bubble_fraction`` the share of ``wall_s`` it was not
+    computing. ``bytes_forward``: the activation bytes that crossed the boundary after the stage, toward stage + 1
+    (0 for the last stage); ``bytes_backward``: the gradient bytes that crossed the boundary before it, back to
+    stage - 1 (0 for the first); ``bytes_source`` says who counted them (``delay-line``: the WAN emulator's link
+    ledger; ``stage``: the stage itself). ``train_loss``: the last stage's mean micro-batch loss (NULL on the
+    others). Its non-key columns are the fields of crossdc.db.records.PipelineStageRecord, checked by their ``info``
+    (``minimum``, ``maximum``, ``choices``)."""
 
     __tablename__ = "pipeline_stages"
     __table_args__ = (
-        UniqueConstraint("run_id", "round", "stage"),
+        UniqueConstraint("run_id", "round", "replica", "stage"),
         CheckConstraint(_in("bytes_source", PIPELINE_BYTES_SOURCES), name="bytes_source"),
     )
 
@@ -280,6 +281,8 @@ class PipelineStage(Base):
     round: Mapped[int] = mapped_column(Integer, info={"minimum": 1})
     stage: Mapped[int] = mapped_column(Integer, info={"minimum": 0})
     datacenter: Mapped[str] = mapped_column(String(128))
+    # which pipeline the stage belongs to, in a run of several replicas (revision 0011; 0: the first, or the only one)
+    replica: Mapped[int] = mapped_column(Integer, default=0, server_default="0", info={"minimum": 0})
     steps: Mapped[int] = mapped_column(Integer, info={"minimum": 0})
     microbatches: Mapped[int] = mapped_column(Integer, info={"minimum": 0})
     compute_s: Mapped[float] = mapped_column(Float, info={"minimum": 0, "finite": True})

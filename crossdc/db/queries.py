@@ -115,8 +115,9 @@ def list_link_rounds(bind: Bind, run_id: str) -> list[dict[str, Any]]:
 
 
 def list_pipeline_stages(bind: Bind, run_id: str, *, round: int | None = None) -> list[dict[str, Any]]:  # noqa: A002
-    """The run's ``pipeline_stages`` rows (a pipeline run; only ``round``'s when given), by round, then stage."""
-    stmt = _ordered(_PIPELINE, run_id, (_PIPELINE.c.round, _PIPELINE.c.stage))
+    """The run's ``pipeline_stages`` rows (a pipeline run; only ``round``'s when given), by round, then replica, then
+    stage."""
+    stmt = _ordered(_PIPELINE, run_id, (_PIPELINE.c.round, _PIPELINE.c.replica, _PIPELINE.c.stage))
     if round is not None:
         stmt = stmt.where(_PIPELINE.c.round == round)
     return _rows(bind, stmt)

@@ -258,7 +258,7 @@ def _op_link_round(conn: Connection, v: dict[str, Any]) -> None:
 
 
 def _op_pipeline_stage(conn: Connection, v: dict[str, Any]) -> None:
-    _upsert(conn, _PIPELINE, v, ("run_id", "round", "stage"))
+    _upsert(conn, _PIPELINE, v, ("run_id", "round", "replica", "stage"))
 
 
 def _op_timeline_spans(conn: Connection, v: dict[str, Any]) -> None:
@@ -594,7 +594,7 @@ class RunLog:
 
     def log_pipeline_stage(self, *, run_id: str, round: int, record: PipelineStageRecord) -> None:  # noqa: A002
         """Record (or overwrite) one stage's part of one round of a pipeline run, keyed by (run_id, round,
-        ``record.stage``): a round logged again (after a resume) replaces its row. Every value is checked against its
+        ``record.replica``, ``record.stage``): a round logged again (after a resume) replaces its row. Every value is checked against its
         column before anything is queued (a negative byte count, a bubble fraction outside [0, 1], a non-finite
         duration or an unknown ``bytes_source`` is a ValueError naming the field; a value of the wrong type a
         TypeError)."""

@@ -5,6 +5,10 @@ Promises:
 - each round, one message to every stage (the ``[[datacenters]]`` in config order) asks for the round's τ optimizer
   steps; the stages run them together (crossdc.clients.pipeline_stage), the activations and their gradients going
   from datacenter to datacenter, never through the coordinator;
+- with ``replicas`` > 1 (crossdc.strategies.pipeline), each replica's stages run their own pipeline; every stage
+  returns its weights each round, the coordinator takes the replicas' DiLoCo outer step on the assembled models and
+  sends each stage its blocks of the new global model with the next round's message (a ``replicas-synced`` event
+  each round; each datacenter's bytes up and down include these weights);
 - the round is logged once every stage has replied: per stage a ``datacenter_rounds`` row (compute, idle = wall −
   compute, the bytes it sent and received across its boundaries, the last stage's training loss, the examples the
   first stage fed) and a ``pipeline_stages`` row (compute, wall, bubble, bytes forward and backward), its
@@ -43,12 +47,12 @@ from crossdc.federation.grid_io import FederationError, Reply, collect_replies, 
 from crossdc.federation.server_checkpoint import SETTINGS_ATTEMPT, SETTINGS_RESUME, ServerCheckpointer
 from crossdc.federation.session import RoundSession
 from crossdc.federation.sync_loop import watched_session
-from crossdc.protocol import CONFIG_KEY, PayloadError, decode_pipeline_reply
+from crossdc.protocol import CONFIG_KEY, PayloadError, decode_pipeline_reply, raw_fp32_bytes
 from crossdc.strategies.base import Strategy, StrategyError
 from crossdc.strategies.pipeline import Pipeline, stage_blocks
 from crossdc.wan.ledger import LedgerReader, Transfer
 from crossdc.wan.topology import mesh_ledger
-from crossdc.workloads.stages import model_blocks
+from crossdc.workloads.stages import model_blocks, split_model, stage_tensors
 
 log = logging.getLogger("crossdc.federation")
 
@@ -65,18 +69,20 @@ def _ready_detail(config: ExperimentConfig) -> Any:
         if crowded:
             raise StrategyError(f"a pipeline stage runs on one worker: {', '.join(crowded)} have more (data parallel "
                                 "inside a stage is not built yet)")
-        return {"stages": config.datacenter_names, "schedule": strategy.params["schedule"],
+        replicas = strategy.replicas(config.datacenter_names)
+        return {"stages": replicas[0] if len(replicas) == 1 else replicas, "replicas": len(replicas),
+                "schedule": strategy.params["schedule"],
                 "microbatches": strategy.params["microbatches"], "activation_codec": strategy.params["activation_codec"],
                 "partition": "ignored: the first stage reads the whole training set"}
 
     return detail
 
 
-def _boundary_ledgers(config: ExperimentConfig, run_dir: RunDir) -> dict[int, LedgerReader]:
-    """By boundary b (between stages b and b + 1), the ledger of the link of their own, where the run has one."""
+def _boundary_ledgers(config: ExperimentConfig, run_dir: RunDir, names: Sequence[str]) -> dict[int, LedgerReader]:
+    """By boundary b (between stages b and b + 1 of the pipeline `names`), the ledger of the link of their own, where
+    the run has one."""
     if run_dir.settings().get(SETTINGS_LINK_EMULATOR) != BYTES_FROM_LEDGER:
         return {}
-    names = config.datacenter_names
     direct = {frozenset(link.between) for link in config.links}
     return {b: LedgerReader(run_dir.logs / "links" / f"{mesh_ledger(names[b], names[b + 1])}.ledger")
             for b in range(len(names) - 1) if frozenset((names[b], names[b + 1])) in direct}
@@ -100,12 +106,15 @@ def _pipeline(grid: Grid, run_dir: RunDir, run_id: str, config: ExperimentConfig
     strategy = session.strategy
     assert isinstance(strategy, Pipeline)
     names = config.datacenter_names
-    blocks = stage_blocks(model_blocks(session.model), len(names), strategy.layers())
+    replicas = strategy.replicas(names)
+    synced = len(replicas) > 1  # replicas: every stage reports its weights and begins each round from the global's
+    blocks = stage_blocks(model_blocks(session.model), len(replicas[0]), strategy.layers())
+    stage_names = [list(t) for t in stage_tensors(session.model, split_model(session.model, blocks))]
     settings = run_dir.settings()
     attempt = int(settings.get(SETTINGS_ATTEMPT, 1))
     checkpointer = ServerCheckpointer.from_settings(settings, config.checkpoint.every_rounds, config.checkpoint.keep,
                                                     config.run.rounds)
-    ledgers = _boundary_ledgers(config, run_dir)
+    ledgers = [_boundary_ledgers(config, run_dir, replica) for replica in replicas]
     run_started, wall_started = time.perf_counter(), time.time()
     first_round = 1
     if settings.get(SETTINGS_RESUME):
@@ -118,15 +127,21 @@ def _pipeline(grid: Grid, run_dir: RunDir, run_id: str, config: ExperimentConfig
         tau = strategy.tau(server_round)
         evaluated = server_round % config.run.eval_every == 0 or server_round == config.run.rounds
         checkpointed = checkpointer is not None and checkpointer.due(server_round)
-        messages = {}
+        messages, sent_down = {}, {}
         for name, node in nodes.items():
             task = protocol.pipeline_config(
                 server_round=server_round, tau=tau, run_id=run_id, run_dir=str(run_dir.path), datacenter=name,
-                weights=evaluated or checkpointed, attempt=attempt,
+                weights=synced or evaluated or checkpointed, attempt=attempt,
                 checkpoint_round=checkpointer.oldest_round if checkpointer is not None else None,
                 resume_round=first_round - 1 if attempt > 1 else None)
-            messages[name] = Message(RecordDict({CONFIG_KEY: ConfigRecord(task)}), dst_node_id=node,
-                                     message_type=MessageType.TRAIN, ttl=config.run.round_timeout_s)
+            records: dict[str, Any] = {CONFIG_KEY: ConfigRecord(task)}
+            if synced and server_round > 1:  # (round 1: every replica builds the same initial model from the seed)
+                stage = next(replica.index(name) for replica in replicas if name in replica)
+                down = {n: session.weights[n] for n in stage_names[stage]}
+                records.update(protocol.encode_tensors(down))
+                sent_down[name] = raw_fp32_bytes(down)
+            messages[name] = Message(RecordDict(records), dst_node_id=node, message_type=MessageType.TRAIN,
+                                     ttl=config.run.round_timeout_s)
         sent = session.sent_now()
         ids = list(grid.push_messages(list(messages.values())))
         by_id = dict(zip(ids, messages, strict=True))
@@ -136,9 +151,19 @@ def _pipeline(grid: Grid, run_dir: RunDir, run_id: str, config: ExperimentConfig
                                   given_up=session.given_up(sent, dict(zip(messages, ids, strict=True))))
         replies = {by_id[i]: reply for i, reply in arrived.items()}
         reports, weights = _read_replies(server_round, names, replies, config.run.round_timeout_s, runlog, run_id)
-        records = _log_stages(runlog, run_id, server_round, names, reports, ledgers, wall_started)
+        sent_up = {name: raw_fp32_bytes(part) for name, part in weights.items()} if synced else {}
+        records = [record for index, (replica, ledger) in enumerate(zip(replicas, ledgers, strict=True))
+                   for record in _log_stages(runlog, run_id, server_round, index, replica, reports, ledger,
+                                             wall_started, {n: (sent_up.get(n, 0), sent_down.get(n, 0)) for n in replica})]
         eval_s = None
-        if weights:
+        if synced:
+            replica_weights = [{k: np.asarray(v, np.float32) for name in replica for k, v in weights[name].items()}
+                               for replica in replicas]
+            session.weights = strategy.replica_step(session.weights, replica_weights)
+            runlog.log_event(run_id=run_id, kind="replicas-synced", round=server_round,
+                             detail={"replicas": len(replicas), **strategy.round_metrics(server_round, [])})
+            eval_s = session.evaluate_if_due(server_round)
+        elif weights:
             session.weights = {k: np.asarray(v, np.float32) for part in weights.values() for k, v in part.items()}
             eval_s = session.evaluate_if_due(server_round)
         # what one stage sends another, another receives
@@ -148,7 +173,8 @@ def _pipeline(grid: Grid, run_dir: RunDir, run_id: str, config: ExperimentConfig
         if checkpointed and checkpointer is not None:
             session.checkpoint(checkpointer, server_round, {})
     session.save_final_weights()
-    return session.summary(time.perf_counter() - run_started, stages=names, blocks_per_stage=blocks)
+    return session.summary(time.perf_counter() - run_started, stages=names, blocks_per_stage=blocks,
+                           replicas=[list(replica) for replica in replicas])
 
 
 def _read_replies(server_round: int, names: Sequence[str], replies: Mapping[str, Reply], timeout_s: float,
@@ -184,11 +210,13 @@ def _read_replies(server_round: int, names: Sequence[str], replies: Mapping[str,
     return reports, weights
 
 
-def _log_stages(runlog: RunLog, run_id: str, server_round: int, names: Sequence[str],
+def _log_stages(runlog: RunLog, run_id: str, server_round: int, replica: int, names: Sequence[str],
                 reports: Mapping[str, Mapping[str, Any]], ledgers: Mapping[int, LedgerReader],
-                wall_started: float) -> list[DatacenterRoundRecord]:
-    """The round's rows of every stage (see the module docstring); its datacenter-round records."""
-    start, end = min(float(r["started"]) for r in reports.values()), time.time()
+                wall_started: float, synced: Mapping[str, tuple[int, int]]) -> list[DatacenterRoundRecord]:
+    """The round's rows of every stage of pipeline `replica`, `names` (see the module docstring), each datacenter's bytes
+    including what it sent up and received for the replicas' sync (`synced`: name → (up, down)); its
+    datacenter-round records."""
+    start, end = min(float(reports[n]["started"]) for n in names), time.time()
     forward: dict[int, tuple[int, str]] = {}  # boundary → (bytes, source)
     backward: dict[int, tuple[int, str]] = {}
     for b in range(len(names) - 1):
@@ -206,17 +234,18 @@ def _log_stages(runlog: RunLog, run_id: str, server_round: int, names: Sequence[
         sent_forward, source_forward = forward.get(index, (0, BYTES_FROM_STAGE))
         sent_backward, source_backward = backward.get(index - 1, (0, BYTES_FROM_STAGE))
         received = (forward[index - 1][0] if index > 0 else 0) + (backward[index][0] if index in backward else 0)
+        up, down = synced.get(name, (0, 0))
         compute_s, wall_s = float(report["compute_s"]), float(report["wall_s"])
         loss = report.get("loss")
         record = DatacenterRoundRecord(
-            status="ok", bytes_up=sent_forward + sent_backward, bytes_down=received,
-            bytes_up_raw=sent_forward + sent_backward, compute_s=compute_s, idle_s=max(0.0, wall_s - compute_s),
+            status="ok", bytes_up=sent_forward + sent_backward + up, bytes_down=received + down,
+            bytes_up_raw=sent_forward + sent_backward + up, compute_s=compute_s, idle_s=max(0.0, wall_s - compute_s),
             round_s=wall_s, train_loss=float(loss) if loss is not None else None,
             num_examples=int(report["examples"]) if index == 0 else None)
         runlog.log_datacenter_round(run_id=run_id, round=server_round, datacenter=name, record=record)
         source = BYTES_FROM_LEDGER if BYTES_FROM_LEDGER in (source_forward, source_backward) else BYTES_FROM_STAGE
         runlog.log_pipeline_stage(run_id=run_id, round=server_round, record=PipelineStageRecord(
-            stage=index, datacenter=name, steps=int(report["steps"]), microbatches=len({s[1] for s in report["spans"]}),
+            stage=index, replica=replica, datacenter=name, steps=int(report["steps"]), microbatches=len({s[1] for s in report["spans"]}),
             compute_s=max(0.0, compute_s), wall_s=max(0.0, wall_s), bubble_fraction=min(1.0, max(0.0, float(report["bubble_fraction"]))),
             bytes_forward=sent_forward, bytes_backward=sent_backward, bytes_source=source,
             train_loss=float(loss) if loss is not None else None))

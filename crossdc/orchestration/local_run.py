@@ -73,6 +73,7 @@ from crossdc.experiment.rundir import (
     RunDir,
 )
 from crossdc.federation.server_checkpoint import SETTINGS_ATTEMPT, SETTINGS_RESUME, SETTINGS_URL
+from crossdc.strategies.pipeline import replica_groups
 from crossdc.strategies.registry import strategy_class
 from crossdc.wan.link_relay import LinkRelay
 from crossdc.wan.network import EmulatedNetwork, namespaces_unavailable
@@ -307,12 +308,15 @@ class LocalRun:
                          for dc in self.config.datacenter_names}
             self.run_dir.update_settings({SETTINGS_GOSSIP_ADDRESSES: addresses})
         if strategy_class(self.config.strategy.name).loop == "pipeline":
-            first = self.config.datacenter_names[0]
+            # each replica's group meets at its first stage
+            firsts = [names[0] for names in replica_groups(self.config.datacenter_names,
+                                                            int(self.config.strategy.params.get("replicas", 1)))]
             network = self.network
-            group = ({"master": [network.address(first), PIPELINE_PORT],
-                      "interfaces": {dc: network.device(dc) for dc in self.config.datacenter_names}}
-                     if network is not None else {"master": [HOST, free_port()], "interfaces": {}})
-            self.run_dir.update_settings({SETTINGS_PIPELINE_GROUP: group})
+            masters = ([[network.address(first), PIPELINE_PORT] for first in firsts] if network is not None
+                       else [[HOST, free_port()] for _ in firsts])
+            interfaces = {dc: network.device(dc) for dc in self.config.datacenter_names} if network is not None else {}
+            self.run_dir.update_settings({SETTINGS_PIPELINE_GROUP: {"master": masters[0], "masters": masters,
+                                                                    "interfaces": interfaces}})
 
     def _datacenter_process(self, name: str) -> dict[str, Any]:
         """How a datacenter's process starts: its environment, and (with the namespace emulator) its namespace, whose

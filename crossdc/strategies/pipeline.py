@@ -13,6 +13,15 @@ gradients cross each boundary encoded (crossdc.compression.activations). The fir
 training set (datacenter partitions do not apply); the last stage draws the same batches from the same seed for
 their targets, so targets never cross the WAN. A stage runs on one worker (``workers`` = 1).
 
+With ``replicas`` = R > 1 the datacenters form R pipelines of S = N / R stages each, replica-major in config order
+(:func:`replica_groups`: replica r holds datacenters r·S … r·S + S − 1, its stage i the i-th of them). Each replica
+trains on its own order of the whole training set (its first datacenter's data seed) and forms its own group; after
+every round each stage returns its weights, the coordinator takes one DiLoCo outer step (``outer_lr``,
+``outer_momentum``, ``outer_momentum_warmup_rounds``; :meth:`Pipeline.replica_step`) on the mean of the replicas'
+whole models, and each stage begins the next round from its blocks of the new global model, its inner optimizer's
+state kept (DiLoCo's inner loop, run by a pipeline). With ``outer_lr`` = 1 and ``outer_momentum`` = 0 that is a
+plain average of the replicas.
+
 The pure parts here: the cut of the blocks (:func:`stage_blocks`), the schedule's order and the idle share it leaves
 (:func:`schedule_order`, :func:`bubble_fraction`), and the checks a run's settings must pass. The stages' runtime is
 crossdc.clients.pipeline_stage; the loop that drives it on Flower, crossdc.federation.pipeline_loop.
@@ -20,9 +29,14 @@ crossdc.clients.pipeline_stage; the loop that drives it on Flower, crossdc.feder
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
+from typing import Any
 
+import numpy as np
+
+from crossdc.strategies.aggregation import mean, subtract
 from crossdc.strategies.base import Parameter, RunInfo, Strategy, StrategyError
+from crossdc.strategies.diloco import DiLoCo
 
 SCHEDULES = ("gpipe", "1f1b")
 ACTIVATION_CODECS = ("none", "int8", "subspace")
@@ -47,6 +61,18 @@ def stage_blocks(blocks: int, stages: int, layers: Sequence[int] | None = None) 
         return counts
     base, extra = divmod(blocks, stages)
     return [base + (1 if stage < extra else 0) for stage in range(stages)]
+
+
+def replica_groups(datacenters: Sequence[str], replicas: int) -> list[list[str]]:
+    """The `datacenters` (config order) cut into `replicas` pipelines of equal length, replica-major: replica r is
+    datacenters[r·S : (r + 1)·S], its stage i the i-th. StrategyError when they cannot be cut so."""
+    if replicas < 1:
+        raise StrategyError(f"replicas = {replicas}: a pipeline run needs at least one replica")
+    if len(datacenters) % replicas:
+        raise StrategyError(f"{len(datacenters)} datacenters cannot form {replicas} pipelines of equal length (replicas "
+                            "must divide the number of datacenters)")
+    stages = len(datacenters) // replicas
+    return [list(datacenters[r * stages:(r + 1) * stages]) for r in range(replicas)]
 
 
 def schedule_order(schedule: str, stage: int, stages: int, microbatches: int) -> list[tuple[str, int]]:
@@ -100,7 +126,48 @@ class Pipeline(Strategy):
         "codec_rank": Parameter(int, 0, "the subspace codec's rank (0: the boundary's features // 8)", low=0),
         "stage_timeout_s": Parameter(float, 30.0, "how long a stage waits for another before the step fails (a dead "
                                      "stage fails the run in this time, not in gloo's 30 minutes)", low=1.0),
+        "replicas": Parameter(int, 1, "pipelines the datacenters form, replica-major in config order, synced by a "
+                              "DiLoCo outer step after every round (1: one pipeline over all of them)", low=1),
+        "outer_lr": Parameter(float, 0.7, "with replicas > 1: the outer learning rate of the replicas' DiLoCo step",
+                              low=0.0),
+        "outer_momentum": Parameter(float, 0.9, "with replicas > 1: the outer Nesterov momentum of that step", low=0.0,
+                                    high=0.999),
+        "outer_momentum_warmup_rounds": Parameter(int, 0, "with replicas > 1: outer steps over which the outer "
+                                                  "momentum rises linearly to outer_momentum", low=0),
     }
+
+    #: with replicas > 1, the DiLoCo whose outer step syncs the replicas (its momentum is this strategy's state)
+    outer: DiLoCo | None = None
+
+    def setup(self) -> None:
+        super().setup()
+        if int(self.params["replicas"]) > 1:
+            self.outer = DiLoCo(params={key: self.params[key] for key in
+                                        ("outer_lr", "outer_momentum", "outer_momentum_warmup_rounds")})
+            self.outer.run = self.run  # the outer schedule counts the run's rounds
+
+    def replicas(self, datacenters: Sequence[str]) -> list[list[str]]:
+        """The run's pipelines (:func:`replica_groups` with this strategy's ``replicas``)."""
+        return replica_groups(datacenters, int(self.params["replicas"]))
+
+    def replica_step(self, global_weights: Mapping[str, np.ndarray],
+                     replica_weights: Sequence[Mapping[str, np.ndarray]]) -> dict[str, np.ndarray]:
+        """The new global model after a round of replicas > 1: one DiLoCo outer step from `global_weights` on the
+        mean over the replicas of (replica's whole model − global), every replica weighing the same (each trained
+        the same batches per step)."""
+        if self.outer is None:
+            raise StrategyError(f"strategy '{self.name}': a replica step needs replicas > 1")
+        return self.outer.outer_step(dict(global_weights), subtract(mean(replica_weights), global_weights))
+
+    def round_metrics(self, server_round: int, updates: Sequence[Any]) -> dict[str, Any]:
+        return self.outer.round_metrics(server_round, updates) if self.outer is not None else {}
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"outer": self.outer.state_dict()} if self.outer is not None else {}
+
+    def load_state_dict(self, state: Mapping[str, Any]) -> None:
+        if self.outer is not None and state.get("outer") is not None:
+            self.outer.load_state_dict(state["outer"])
 
     def check_run(self, run: RunInfo) -> None:
         super().check_run(run)
@@ -108,7 +175,9 @@ class Pipeline(Strategy):
         if run.batch_size % microbatches:
             raise StrategyError(f"strategy '{self.name}': microbatches = {microbatches} does not divide the batch size "
                                 f"{run.batch_size}")
-        problem = schedule_problem(str(self.params["schedule"]), len(run.datacenters), microbatches)
+        self.check_within_run(run, "outer_momentum_warmup_rounds")
+        stages = len(self.replicas(run.datacenters)[0])
+        problem = schedule_problem(str(self.params["schedule"]), stages, microbatches)
         if problem is not None:
             raise StrategyError(f"strategy '{self.name}': {problem}")
         if run.grad_clip is not None:

@@ -3,7 +3,8 @@
 Promises: :func:`model_blocks` counts the blocks a model can be cut between (an MLP's hidden layers and its output
 layer; a char-transformer's transformer blocks); :func:`split_model` returns one ``nn.Module`` per stage, holding
 exactly the original model's parameters for its blocks (the same tensors, not copies: training the stages trains the
-model), with the embeddings on the first stage and the final norm and head on the last. Chaining the stages' forward
+model), with the embeddings on the first stage and the final norm and head on the last (:func:`stage_tensors`
+names them). Chaining the stages' forward
 computes the model's forward exactly, so gradients are the unsplit model's. Stage i takes what stage i − 1 returns
 (the first takes the model's input) and the last returns the model's output (logits).
 """
@@ -44,6 +45,13 @@ def split_model(model: nn.Module, blocks_per_stage: Sequence[int]) -> list[nn.Mo
         return [MLPStage(blocks[a:b], first=a == 0) for a, b in bounds]
     assert isinstance(model, CharTransformer)
     return [TransformerStage(model, a, b) for a, b in bounds]
+
+
+def stage_tensors(model: nn.Module, stages: Sequence[nn.Module]) -> list[dict[str, torch.Tensor]]:
+    """By stage, the tensors each of `stages` (modules built from `model`'s own tensors, such as :func:`split_model`'s)
+    holds of `model`, under their names in `model`'s state dict; a stage's own extra tensors are left out."""
+    names = {id(tensor): name for name, tensor in model.state_dict(keep_vars=True).items()}
+    return [{names[id(t)]: t for t in stage.state_dict(keep_vars=True).values() if id(t) in names} for stage in stages]
 
 
 def _mlp_blocks(model: MLP) -> list[nn.Sequential]:
