@@ -1,18 +1,21 @@
 """Pipeline replicas synced by DiLoCo, deployed: four datacenters as two pipelines of two stages on Flower's
 Deployment Engine, each stage in its datacenter's namespace, each pipeline's activations crossing an emulated link of
-its own. After every round the coordinator takes DiLoCo's outer step on the replicas' models; the run's final
-weights are checked against a plain torch loop (two unsplit models, AdamW inside, torch.optim.SGD with Nesterov
-momentum outside) on the same batches."""
+its own. After every round the coordinator takes DiLoCo's outer step on the replicas' models. One run, shared by the
+tests here: the second pipeline's last stage is killed once round 2 is logged, which fails the run naming it, and
+`crossdc resume` takes it to its end; the final weights are checked against a plain torch loop (two unsplit models,
+AdamW inside, torch.optim.SGD with Nesterov momentum outside) on the same batches, so the resume is exact too."""
 
 from __future__ import annotations
 
+import json
+import subprocess
 import tomllib
 from typing import Any
 
 import numpy as np
 import pytest
 import torch
-from conftest import read_run
+from conftest import crossdc_executable, read_run
 
 from crossdc.clients.local_training import BatchStream
 from crossdc.db.engine import make_engine
@@ -21,7 +24,7 @@ from crossdc.experiment.builders import build_workload, datacenter_seed, initial
 from crossdc.experiment.config import parse_config
 from crossdc.experiment.processes import free_port
 from crossdc.experiment.rundir import RunDir
-from crossdc.orchestration.local_run import LocalRun, LocalRunOptions
+from crossdc.orchestration.local_run import LocalRun, LocalRunOptions, RunFailed
 from crossdc.workloads import make_optimizer
 
 pytestmark = [pytest.mark.deployment, pytest.mark.usefixtures("namespaces")]
@@ -37,6 +40,9 @@ rounds = {ROUNDS}
 seed = 0
 eval_every = 1
 round_timeout_s = 120
+
+[checkpoint]
+every_rounds = 1
 
 [workload]
 dataset = "synthetic"
@@ -61,21 +67,42 @@ stage_timeout_s = 15
     f'\n[[links]]\nbetween = ["{a}", "{b}"]\nbandwidth_mbps = 100\nrtt_ms = 40\n' for a, b in REPLICAS)
 
 
+VICTIM = REPLICAS[1][1]
+
+
+class StageKilledRun(LocalRun):
+    """Kills the second pipeline's last stage (its trainer and SuperNode) once round 2 is logged."""
+
+    def inject_faults(self, rounds_logged: int) -> None:
+        super().inject_faults(rounds_logged)
+        if rounds_logged >= 2 and not getattr(self, "killed", False):
+            self.killed = True
+            self.kill_datacenter(VICTIM, trainer=True)
+
+
 @pytest.fixture(scope="module")
 def replicas_run(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
     root = tmp_path_factory.mktemp("pipeline-replicas")
     db_url = f"sqlite:///{root / 'runs.db'}"
-    config = parse_config(tomllib.loads(CONFIG))
-    run = LocalRun(config, LocalRunOptions(db_url=db_url, engine="deployment", superlink_port=free_port(),
-                                           runs_root=root))
-    summary = run.execute().summary
+    doc = tomllib.loads(CONFIG)
+    doc["checkpoint"]["dir"] = str(root / "checkpoints")
+    config = parse_config(doc)
+    run = StageKilledRun(config, LocalRunOptions(db_url=db_url, engine="deployment", superlink_port=free_port(),
+                                                 runs_root=root))
+    with pytest.raises(RunFailed) as failure:
+        run.execute()
+    failed = read_run(db_url, run.run_id)
+    resumed = subprocess.run([crossdc_executable(), "resume", run.run_id, "--db", db_url, "--runs-dir", str(root),
+                              "--port", str(free_port()), "--json"], capture_output=True, text=True, timeout=400)
+    assert resumed.returncode == 0, resumed.stderr[-3000:]
+    summary = json.loads(resumed.stdout.strip().splitlines()[-1])
     engine = make_engine(db_url)
     try:
         stages = list_pipeline_stages(engine, run.run_id)
     finally:
         engine.dispose()
     return {"config": config, "summary": summary, "stages": stages, "run_dir": RunDir(root / run.run_id),
-            "db_url": db_url, **read_run(db_url, run.run_id)}
+            "db_url": db_url, "failure": str(failure.value), "failed": failed, **read_run(db_url, run.run_id)}
 
 
 def reference_weights(config: Any) -> dict[str, np.ndarray]:
@@ -109,8 +136,16 @@ def reference_weights(config: Any) -> dict[str, np.ndarray]:
 
 
 @pytest.mark.timeout(420)
+def test_a_killed_stage_of_one_replica_fails_the_run_naming_it(replicas_run: dict[str, Any]) -> None:
+    assert replicas_run["failed"]["run"]["status"] == "failed"
+    error = replicas_run["failed"]["run"]["error"]
+    assert f"({VICTIM})" in error and "crossdc resume" in error, error
+
+
+@pytest.mark.timeout(420)
 def test_the_replicas_global_model_is_plain_torch_diloco_over_the_pipelines(replicas_run: dict[str, Any]) -> None:
     assert replicas_run["run"]["status"] == "finished"
+    assert any(e["kind"] == "resumed" for e in replicas_run["events"])
     assert replicas_run["summary"]["replicas"] == REPLICAS
     final = np.load(replicas_run["run_dir"].final_weights)
     expected = reference_weights(replicas_run["config"])

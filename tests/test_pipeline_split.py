@@ -201,3 +201,22 @@ def test_the_replicas_step_is_diloco_s_outer_step_on_the_mean_of_their_models() 
     assert resumed.round_metrics(2, [])["outer_steps"] == 2
     with pytest.raises(StrategyError, match="replicas > 1"):
         Pipeline(tau=1, params={}, run=run_info(16)).replica_step(x, replicas)
+
+
+def test_a_replica_stage_s_weights_that_are_not_its_blocks_or_not_finite_stop_the_sync_naming_it() -> None:
+    from crossdc.federation.grid_io import FederationError
+    from crossdc.federation.pipeline_loop import assemble_replicas
+
+    replicas, names = [["a", "b"], ["c", "d"]], [["w0"], ["w1"]]
+    reference = {"w0": np.zeros(2, np.float32), "w1": np.zeros((1, 2), np.float32)}
+    good = {dc: {key: np.ones_like(reference[key])} for dcs in replicas for dc, key in zip(dcs, ["w0", "w1"], strict=True)}
+    models = assemble_replicas(3, replicas, good, names, reference)
+    assert [sorted(m) for m in models] == [["w0", "w1"], ["w0", "w1"]]
+    for spoiled, message in [({"d": {"w0": np.ones(2, np.float32)}}, r"stage 1 \(d\) sent \['w0'\], not its blocks"),
+                             ({"c": {"w0": np.ones(3, np.float32)}}, r"stage 0 \(c\) sent w0 of shape \(3,\)"),
+                             ({"b": {"w1": np.array([[1.0, np.nan]], np.float32)}}, r"stage 1 \(b\) sent w1 with non-finite"),
+                             ({"a": None}, r"stage 0 \(a\) sent no weights")]:
+        weights = {**good, **spoiled}
+        weights = {k: v for k, v in weights.items() if v is not None}
+        with pytest.raises(FederationError, match=r"round 3: " + message):
+            assemble_replicas(3, replicas, weights, names, reference)

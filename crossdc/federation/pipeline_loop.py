@@ -157,8 +157,7 @@ def _pipeline(grid: Grid, run_dir: RunDir, run_id: str, config: ExperimentConfig
                                              wall_started, {n: (sent_up.get(n, 0), sent_down.get(n, 0)) for n in replica})]
         eval_s = None
         if synced:
-            replica_weights = [{k: np.asarray(v, np.float32) for name in replica for k, v in weights[name].items()}
-                               for replica in replicas]
+            replica_weights = assemble_replicas(server_round, replicas, weights, stage_names, session.weights)
             session.weights = strategy.replica_step(session.weights, replica_weights)
             runlog.log_event(run_id=run_id, kind="replicas-synced", round=server_round,
                              detail={"replicas": len(replicas), **strategy.round_metrics(server_round, [])})
@@ -175,6 +174,34 @@ def _pipeline(grid: Grid, run_dir: RunDir, run_id: str, config: ExperimentConfig
     session.save_final_weights()
     return session.summary(time.perf_counter() - run_started, stages=names, blocks_per_stage=blocks,
                            replicas=[list(replica) for replica in replicas])
+
+
+def assemble_replicas(server_round: int, replicas: Sequence[Sequence[str]], weights: Mapping[str, Mapping[str, Any]],
+                      stage_names: Sequence[Sequence[str]], reference: Mapping[str, np.ndarray]) -> list[dict[str, np.ndarray]]:
+    """Each replica's whole model from its stages' `weights` (by datacenter); FederationError naming the stage when
+    one sent other tensors than its blocks (`stage_names[stage]`), a shape other than `reference`'s, or a value that
+    is not finite (a diverged replica would spoil the global model: the run stops, resumable, instead)."""
+    models = []
+    for replica in replicas:
+        model: dict[str, np.ndarray] = {}
+        for stage, name in enumerate(replica):
+            part = weights.get(name)
+            if part is None or set(part) != set(stage_names[stage]):
+                raise FederationError(f"round {server_round}: stage {stage} ({name}) sent "
+                                      f"{'no weights' if part is None else sorted(part)[:3]}, not its blocks "
+                                      f"{list(stage_names[stage])[:3]}")
+            for key, value in part.items():
+                array = np.asarray(value, np.float32)
+                if array.shape != np.shape(reference[key]):
+                    raise FederationError(f"round {server_round}: stage {stage} ({name}) sent {key} of shape "
+                                          f"{array.shape}, expected {np.shape(reference[key])}")
+                if not np.isfinite(array).all():
+                    raise FederationError(f"round {server_round}: stage {stage} ({name}) sent {key} with non-finite "
+                                          "values; the replicas are not synced. A run that checkpoints goes on from "
+                                          "its newest checkpoint with `crossdc resume RUN_ID`")
+                model[key] = array
+        models.append(model)
+    return models
 
 
 def _read_replies(server_round: int, names: Sequence[str], replies: Mapping[str, Reply], timeout_s: float,
