@@ -1,7 +1,7 @@
 """Pipeline replicas synced by DiLoCo, deployed: four datacenters as two pipelines of two stages on Flower's
 Deployment Engine, each stage in its datacenter's namespace, each pipeline's activations crossing an emulated link of
 its own. After every round the coordinator takes DiLoCo's outer step on the replicas' models. One run, shared by the
-tests here: the second pipeline's last stage is killed once round 2 is logged, which fails the run naming it, and
+tests here: the second pipeline's last stage is killed once round 1 is logged, which fails the run naming it, and
 `crossdc resume` takes it to its end; the final weights are checked against a plain torch loop (two unsplit models,
 AdamW inside, torch.optim.SGD with Nesterov momentum outside) on the same batches, so the resume is exact too."""
 
@@ -29,7 +29,7 @@ from crossdc.workloads import make_optimizer
 
 pytestmark = [pytest.mark.deployment, pytest.mark.usefixtures("namespaces")]
 
-ROUNDS, TAU, MICROBATCHES, BATCH, HIDDEN = 3, 2, 2, 16, 32
+ROUNDS, TAU, MICROBATCHES, BATCH, HIDDEN = 2, 3, 2, 16, 32
 OUTER_LR, OUTER_MOMENTUM = 0.7, 0.9
 REPLICAS = [["us-east", "eu-west"], ["ap-south", "sa-east"]]
 
@@ -71,11 +71,12 @@ VICTIM = REPLICAS[1][1]
 
 
 class StageKilledRun(LocalRun):
-    """Kills the second pipeline's last stage (its trainer and SuperNode) once round 2 is logged."""
+    """Kills the second pipeline's last stage (its trainer and SuperNode) once round 1 is logged: round 2 fails, and
+    the resumed run takes the outer momentum across the checkpoint."""
 
     def inject_faults(self, rounds_logged: int) -> None:
         super().inject_faults(rounds_logged)
-        if rounds_logged >= 2 and not getattr(self, "killed", False):
+        if rounds_logged >= 1 and not getattr(self, "killed", False):
             self.killed = True
             self.kill_datacenter(VICTIM, trainer=True)
 
