@@ -319,3 +319,26 @@ class TrainerService:
             pytest.fail(f"the trainer did not stop within 120 s of SIGTERM; its log ends:\n{log}")
         finally:
             self.run_dir.remove_sockets()
+
+
+def kill_stage_then_resume(config: Any, root: Path, db_url: str, victim: str, after_round: int) -> dict[str, Any]:
+    """Run `config` on the Deployment Engine with `victim`'s trainer (and SuperNode) killed once `after_round` rounds
+    are logged, which must fail the run; then `crossdc resume` it. Returns the run id, the failure's text, the
+    failed run's log (read_run) and the resume's CompletedProcess (its summary is the last line of stdout, --json)."""
+    from crossdc.orchestration.local_run import LocalRun, LocalRunOptions, RunFailed
+
+    class KilledRun(LocalRun):
+        def inject_faults(self, rounds_logged: int) -> None:
+            super().inject_faults(rounds_logged)
+            if rounds_logged >= after_round and not getattr(self, "killed", False):
+                self.killed = True
+                self.kill_datacenter(victim, trainer=True)
+
+    run = KilledRun(config, LocalRunOptions(db_url=db_url, engine="deployment", superlink_port=free_port(),
+                                            runs_root=root))
+    with pytest.raises(RunFailed) as failure:
+        run.execute()
+    failed = read_run(db_url, run.run_id)
+    resumed = subprocess.run([crossdc_executable(), "resume", run.run_id, "--db", db_url, "--runs-dir", str(root),
+                              "--port", str(free_port()), "--json"], capture_output=True, text=True, timeout=400)
+    return {"run_id": run.run_id, "failure": str(failure.value), "failed": failed, "resumed": resumed}

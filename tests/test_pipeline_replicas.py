@@ -8,23 +8,20 @@ AdamW inside, torch.optim.SGD with Nesterov momentum outside) on the same batche
 from __future__ import annotations
 
 import json
-import subprocess
 import tomllib
 from typing import Any
 
 import numpy as np
 import pytest
 import torch
-from conftest import crossdc_executable, read_run
+from conftest import kill_stage_then_resume, read_run
 
 from crossdc.clients.local_training import BatchStream
 from crossdc.db.engine import make_engine
 from crossdc.db.queries import list_pipeline_stages
 from crossdc.experiment.builders import build_workload, datacenter_seed, initial_model
 from crossdc.experiment.config import parse_config
-from crossdc.experiment.processes import free_port
 from crossdc.experiment.rundir import RunDir
-from crossdc.orchestration.local_run import LocalRun, LocalRunOptions, RunFailed
 from crossdc.workloads import make_optimizer
 
 pytestmark = [pytest.mark.deployment, pytest.mark.usefixtures("namespaces")]
@@ -70,17 +67,6 @@ stage_timeout_s = 15
 VICTIM = REPLICAS[1][1]
 
 
-class StageKilledRun(LocalRun):
-    """Kills the second pipeline's last stage (its trainer and SuperNode) once round 1 is logged: round 2 fails, and
-    the resumed run takes the outer momentum across the checkpoint."""
-
-    def inject_faults(self, rounds_logged: int) -> None:
-        super().inject_faults(rounds_logged)
-        if rounds_logged >= 1 and not getattr(self, "killed", False):
-            self.killed = True
-            self.kill_datacenter(VICTIM, trainer=True)
-
-
 @pytest.fixture(scope="module")
 def replicas_run(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
     root = tmp_path_factory.mktemp("pipeline-replicas")
@@ -88,22 +74,19 @@ def replicas_run(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
     doc = tomllib.loads(CONFIG)
     doc["checkpoint"]["dir"] = str(root / "checkpoints")
     config = parse_config(doc)
-    run = StageKilledRun(config, LocalRunOptions(db_url=db_url, engine="deployment", superlink_port=free_port(),
-                                                 runs_root=root))
-    with pytest.raises(RunFailed) as failure:
-        run.execute()
-    failed = read_run(db_url, run.run_id)
-    resumed = subprocess.run([crossdc_executable(), "resume", run.run_id, "--db", db_url, "--runs-dir", str(root),
-                              "--port", str(free_port()), "--json"], capture_output=True, text=True, timeout=400)
+    # the second pipeline's last stage is killed once round 1 is logged: round 2 fails, and the resumed run takes the
+    # outer momentum across the checkpoint
+    run = kill_stage_then_resume(config, root, db_url, VICTIM, after_round=1)
+    resumed = run["resumed"]
     assert resumed.returncode == 0, resumed.stderr[-3000:]
     summary = json.loads(resumed.stdout.strip().splitlines()[-1])
     engine = make_engine(db_url)
     try:
-        stages = list_pipeline_stages(engine, run.run_id)
+        stages = list_pipeline_stages(engine, run["run_id"])
     finally:
         engine.dispose()
-    return {"config": config, "summary": summary, "stages": stages, "run_dir": RunDir(root / run.run_id),
-            "db_url": db_url, "failure": str(failure.value), "failed": failed, **read_run(db_url, run.run_id)}
+    return {"config": config, "summary": summary, "stages": stages, "run_dir": RunDir(root / run["run_id"]),
+            "db_url": db_url, "failure": run["failure"], "failed": run["failed"], **read_run(db_url, run["run_id"])}
 
 
 def reference_weights(config: Any) -> dict[str, np.ndarray]:

@@ -6,20 +6,17 @@ from its newest checkpoint to its end."""
 from __future__ import annotations
 
 import json
-import subprocess
 import tomllib
 from typing import Any
 
 import numpy as np
 import pytest
-from conftest import crossdc_executable, read_run
+from conftest import kill_stage_then_resume, read_run
 
 from crossdc.db.engine import make_engine
 from crossdc.db.queries import list_pipeline_stages, list_timeline_spans
 from crossdc.experiment.config import parse_config
-from crossdc.experiment.processes import free_port
 from crossdc.experiment.rundir import RunDir
-from crossdc.orchestration.local_run import LocalRun, LocalRunOptions, RunFailed
 
 pytestmark = [pytest.mark.deployment, pytest.mark.usefixtures("namespaces")]
 
@@ -63,37 +60,22 @@ rtt_ms = 150
 """
 
 
-class StageKilledRun(LocalRun):
-    """Kills the second stage's trainer (and SuperNode) once round 2 is logged."""
-
-    def inject_faults(self, rounds_logged: int) -> None:
-        super().inject_faults(rounds_logged)
-        if rounds_logged >= 2 and not getattr(self, "killed", False):
-            self.killed = True
-            self.kill_datacenter(VICTIM, trainer=True)
-
-
 @pytest.fixture(scope="module")
 def pipeline_run(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
     root = tmp_path_factory.mktemp("pipeline")
     db_url = f"sqlite:///{root / 'runs.db'}"
     doc = tomllib.loads(CONFIG)
     doc["checkpoint"]["dir"] = str(root / "checkpoints")
-    run = StageKilledRun(parse_config(doc),
-                         LocalRunOptions(db_url=db_url, engine="deployment", superlink_port=free_port(), runs_root=root))
-    with pytest.raises(RunFailed) as failure:
-        run.execute()
-    failed = read_run(db_url, run.run_id)
-    resumed = subprocess.run([crossdc_executable(), "resume", run.run_id, "--db", db_url, "--runs-dir", str(root),
-                              "--port", str(free_port()), "--json"], capture_output=True, text=True, timeout=400)
+    # the second stage's trainer is killed once round 2 is logged
+    run = kill_stage_then_resume(parse_config(doc), root, db_url, VICTIM, after_round=2)
     engine = make_engine(db_url)
     try:
-        stages = list_pipeline_stages(engine, run.run_id)
-        spans = list_timeline_spans(engine, run.run_id)
+        stages = list_pipeline_stages(engine, run["run_id"])
+        spans = list_timeline_spans(engine, run["run_id"])
     finally:
         engine.dispose()
-    return {"failure": str(failure.value), "failed": failed, "resumed": resumed, **read_run(db_url, run.run_id),
-            "stages": stages, "spans": spans, "run_dir": RunDir(root / run.run_id), "db_url": db_url}
+    return {**run, **read_run(db_url, run["run_id"]), "stages": stages, "spans": spans,
+            "run_dir": RunDir(root / run["run_id"]), "db_url": db_url}
 
 
 @pytest.mark.timeout(420)

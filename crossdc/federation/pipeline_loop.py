@@ -110,6 +110,7 @@ def _pipeline(grid: Grid, run_dir: RunDir, run_id: str, config: ExperimentConfig
     synced = len(replicas) > 1  # replicas: every stage reports its weights and begins each round from the global's
     blocks = stage_blocks(model_blocks(session.model), len(replicas[0]), strategy.layers())
     stage_names = [list(t) for t in stage_tensors(session.model, split_model(session.model, blocks))]
+    stage_of = {name: index for replica in replicas for index, name in enumerate(replica)}
     settings = run_dir.settings()
     attempt = int(settings.get(SETTINGS_ATTEMPT, 1))
     checkpointer = ServerCheckpointer.from_settings(settings, config.checkpoint.every_rounds, config.checkpoint.keep,
@@ -136,8 +137,7 @@ def _pipeline(grid: Grid, run_dir: RunDir, run_id: str, config: ExperimentConfig
                 resume_round=first_round - 1 if attempt > 1 else None)
             records: dict[str, Any] = {CONFIG_KEY: ConfigRecord(task)}
             if synced and server_round > 1:  # (round 1: every replica builds the same initial model from the seed)
-                stage = next(replica.index(name) for replica in replicas if name in replica)
-                down = {n: session.weights[n] for n in stage_names[stage]}
+                down = {n: session.weights[n] for n in stage_names[stage_of[name]]}
                 records.update(protocol.encode_tensors(down))
                 sent_down[name] = raw_fp32_bytes(down)
             messages[name] = Message(RecordDict(records), dst_node_id=node, message_type=MessageType.TRAIN,
