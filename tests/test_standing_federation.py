@@ -235,7 +235,9 @@ def _operate_and_enroll(tmp_path: Path, env: dict[str, str], processes: ProcessG
         # `crossdc resume` restarts its coordinator against the same SuperLink and SuperNodes, from the checkpoint of
         # round 2: every round logged exactly once, the run finished. (A node once left the resumed attempt's hello
         # unanswered for 180 s, waiting on the objects of a message the stopped attempt never finished uploading;
-        # crossdc's SuperNode gives up on such a message after INSTRUCTION_PULL_MAX_S.)
+        # crossdc's SuperNode gives up on such a message after INSTRUCTION_PULL_MAX_S. Another once answered it late:
+        # a second reply to the stopped attempt's message went out in its place; the node now sends a reply it still
+        # holds whenever it finds no new message.)
         resumed = _cli(["resume", long_run, "--db", db_url, "--runs-dir", str(tmp_path / "runs")], env, timeout=420)
         assert resumed.returncode == 0, (resumed.stderr[-3000:], _log_tails(tmp_path))
         logged_long = read_run(db_url, long_run)

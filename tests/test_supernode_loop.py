@@ -254,3 +254,71 @@ def test_a_message_whose_run_stops_while_it_is_received_is_dropped() -> None:
     assert returned == 42 and confirmed == [message_id]
     assert [m.metadata.message_id for m in state.get_messages_legacy(run_ids=[42])] == [message_id]
     assert [t.status.status for t in state.get_tasks()] == [Status.PENDING]
+
+
+def _reply_loop_on_a_node(module: types.ModuleType) -> tuple[list[str], list[str]]:
+    """Flower's loop functions of `module` on a real (in-memory) node state: the node received a message and holds
+    two replies to it (its ClientApp's, and the error reply stored when that ClientApp's task expired); the loop sends
+    after the receipt, then its next receipt finds nothing new while the reply to the node's next message comes in.
+    (the ids of the replies sent after the first receipt, those sent by the idle receipt)."""
+    import numpy as np
+    from flwr.app import Array, ArrayRecord, Message, Metadata, RecordDict
+    from flwr.app.message import make_message
+    from flwr.common.constant import SUPERLINK_NODE_ID
+    from flwr.supercore.date import now
+    from flwr.supercore.object_store import ObjectStoreFactory
+    from flwr.supernode.nodestate.in_memory_nodestate import InMemoryNodeState
+
+    store = ObjectStoreFactory().store()
+    state = InMemoryNodeState(store)
+    state.set_node_id(7)
+
+    def instruction(kind: str) -> Any:
+        message = make_message(
+            metadata=Metadata(run_id=42, message_id="", src_node_id=SUPERLINK_NODE_ID, dst_node_id=7,
+                              reply_to_message_id="", group_id="1", created_at=now().timestamp(), ttl=3600.0,
+                              message_type=kind),
+            content=RecordDict({"arrays": ArrayRecord({"model": Array(np.ones((2, 3), dtype=np.float32))})}))
+        module._insert_message(message, state, store)
+        return message
+
+    def reply(to: Any, value: float) -> str:
+        answer = Message(RecordDict({"arrays": ArrayRecord({"model": Array(np.full(2, value, np.float32))})}),
+                         reply_to=to)
+        module._insert_message(answer, state, store)
+        return str(answer.metadata.message_id)
+
+    sent: list[str] = []
+
+    def send(message: Any, tree: Any, runtime: float) -> tuple[set[str], str]:
+        sent.append(message.metadata.message_id)
+        return set(), "session"
+
+    senders = {"state": state, "object_store": store, "send": send, "push_object": lambda *args: None}
+    train = instruction("train")
+    state.get_messages_legacy(is_reply=False)  # the ClientApp took it
+    reply(train, 1.0), reply(train, 2.0)
+    module._push_messages(**senders)
+    after_receipt = list(sent)
+    hello = instruction("query")
+    state.get_messages_legacy(is_reply=False)
+    reply(hello, 3.0)
+    sent.clear()
+    module._pull_and_store_message(
+        state=state, object_store=store, node_config={}, receive=lambda: None, get_run=lambda run_id: None,
+        get_fab=lambda fab_hash, run_id: None, pull_object=lambda run_id, object_id: b"",
+        confirm_message_received=lambda run_id, message_id: None, trusted_entities=None)
+    return after_receipt, list(sent)
+
+
+def test_a_reply_left_behind_is_sent_when_no_new_message_comes() -> None:
+    """A reply the node holds unsent after the loop's push (there, the next message's, which came after a second
+    reply to an earlier message was sent in its place) goes out at the loop's next receipt that finds nothing new.
+    Flower's own loop keeps it until yet another message comes: a resumed run's hello went unanswered that way."""
+    flowers_receipt, flowers_idle = _reply_loop_on_a_node(fresh_copy_of_flowers_loop())
+    assert len(flowers_receipt) == 2 and flowers_idle == []  # Flower's: both train replies, then the hello's kept
+
+    module = fresh_copy_of_flowers_loop()
+    supernode.patch_supernode_loop(module)
+    receipt, idle = _reply_loop_on_a_node(module)
+    assert len(receipt) == 2 and len(idle) == 1 and idle[0] not in receipt

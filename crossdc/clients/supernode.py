@@ -18,6 +18,10 @@ Promises:
 - a message whose run stops while the node receives it is dropped (deleted, its ClientApp task failed) rather than
   left stored, where flwr 1.42's loop would run a ClientApp for it whose reply displaces the next message's
   (:func:`_drop_messages_of_stopped_runs`);
+- a reply the node holds unsent is sent as soon as the loop finds no new message, where flwr 1.42's loop sends replies
+  only right after receiving a message, and sends whichever it finds first: a second reply to one message (a
+  ClientApp's own beside the error reply the node stored when that ClientApp's task expired under load) took the
+  place of the next message's, and a resumed run's hello went unanswered (:func:`_send_replies_left_behind`);
 - :func:`patch_supernode_loop` refuses, with :class:`FlowerLoopChanged`, to patch a loop that is not the one this
   was written against (the sleeps it shortens are not the ones it finds), so an upgrade of flwr fails loudly
   rather than silently bringing the 3-second poll back or shortening a wait that means something else.
@@ -119,6 +123,7 @@ def patch_supernode_loop(module: types.ModuleType | None = None) -> None:
     module.time = _ShorterWaits(SHORTER_WAITS)  # type: ignore[attr-defined]
     _bound_instruction_pull(module, source)
     _drop_messages_of_stopped_runs(module, source)
+    _send_replies_left_behind(module, source)
 
 
 class RunStoppedWhileReceiving(RuntimeError):
@@ -165,6 +170,52 @@ def _drop_messages_of_stopped_runs(module: types.ModuleType, source: str) -> Non
 
     pull_and_store_message.stopped_runs_dropped = True  # type: ignore[attr-defined]
     module._pull_and_store_message = pull_and_store_message  # type: ignore[attr-defined]
+
+
+def _holds_unsent_reply(state: Any) -> bool:
+    """Whether the node `state` (flwr's in-memory node state) holds a reply that no push has taken yet."""
+    with state.lock_msg_store:
+        return any(entry.message.metadata.reply_to_message_id and not entry.is_retrieved
+                   for entry in state.msg_store.values())
+
+
+def _send_replies_left_behind(module: types.ModuleType, source: str) -> None:
+    """Make the loop, whenever its receipt finds no new message, send the replies the node holds unsent (with what it
+    sent the last reply through) before it sleeps.
+
+    flwr 1.42's loop sends only right after it received a message, and then sends whatever replies it finds: a reply
+    that arrives after that push (the received message's own, when a second reply to an earlier message was found
+    first) stays on the node until yet another message comes. FlowerLoopChanged unless the loop sends through
+    ``_push_messages`` by keyword and the node state keeps its messages where :func:`_holds_unsent_reply` looks."""
+    import functools
+
+    from flwr.supernode.nodestate.in_memory_nodestate import InMemoryNodeState, MessageEntry
+
+    receive, push = getattr(module, "_pull_and_store_message", None), getattr(module, "_push_messages", None)
+    if getattr(receive, "replies_left_behind_sent", False):
+        return
+    state_source = inspect.getsource(InMemoryNodeState.__init__)
+    if (receive is None or push is None or not re.search(r"\b_push_messages\(\s*state=state,", source)
+            or "self.msg_store" not in state_source or "self.lock_msg_store" not in state_source
+            or "is_retrieved" not in MessageEntry.__dataclass_fields__):
+        raise FlowerLoopChanged(f"{module.__name__} no longer sends replies through _push_messages by keyword from an "
+                                "in-memory node state: review crossdc.clients.supernode before using this flwr version")
+    last_push: dict[str, Any] = {}
+
+    def push_messages(**kwargs: Any) -> Any:
+        last_push.update(kwargs)
+        return push(**kwargs)
+
+    def pull_and_store_message(*args: Any, **kwargs: Any) -> Any:
+        run_id = receive(*args, **kwargs)
+        if run_id is None and last_push and _holds_unsent_reply(last_push["state"]):
+            push(**last_push)
+        return run_id
+
+    functools.update_wrapper(pull_and_store_message, receive)
+    pull_and_store_message.replies_left_behind_sent = True  # type: ignore[attr-defined]
+    module._pull_and_store_message = pull_and_store_message  # type: ignore[attr-defined]
+    module._push_messages = push_messages  # type: ignore[attr-defined]
 
 
 def _bound_instruction_pull(module: types.ModuleType, source: str) -> None:
