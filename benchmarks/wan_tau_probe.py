@@ -56,7 +56,8 @@ PAPER_OUTER = {**PAPER_PAIR, "outer_warmup_rounds": 8}
 #: DiLoCo's outer pair as tuned on 2026-12-05 before the momentum warm-up (the first τ = 10 and 25 rows ran with it)
 EARLIER_PAIR = {"outer_lr": 1.0, "outer_momentum": 0.5, "outer_momentum_warmup_rounds": 0}
 #: (row key, τ, settings replacing the tuned ones: family → setting, "method" → fields of the row's Method such
-#: as its inner "lr", or "seed" → the run's seed (0 otherwise); label telling rows of one key and τ apart)
+#: as its inner "lr", "seed" → the run's seed (0 otherwise), or "steps" → the inner steps per datacenter in place of
+#: the full size's 2,000 (evaluated as often); label telling rows of one key and τ apart)
 ROWS: list[tuple[str, int, dict[str, Any], str]] = [
     ("diloco", 10, {"diloco": EARLIER_PAIR}, ""),
     ("diloco", 25, {"diloco": EARLIER_PAIR}, ""),
@@ -136,6 +137,28 @@ ROWS: list[tuple[str, int, dict[str, Any], str]] = [
     *[("sparseloco", 5, {"sparseloco": {"chunk_k": 64, "outer_lr": 1.5, "outer_momentum": 0.5,
                                         "outer_momentum_warmup_rounds": 200}, "seed": seed},
        f"density64-outer-lr1.5-momentum0.5-seed{seed}") for seed in (1, 2)],
+    # DiLoCo's recipe at τ = 5 ended behind its τ = 10 (1.629 against 1.540), and SparseLoCo's τ = 5 settings were
+    # tuned: DiLoCo's outer pair at τ = 5 tuned too, before reading SparseLoCo's win there
+    ("diloco", 5, {"diloco": EARLIER_PAIR}, "outer-lr1-momentum0.5"),
+    ("diloco", 5, {"diloco": {**PAPER_PAIR, "outer_momentum_warmup_rounds": 100}}, "paper-outer-momentum-warmup100"),
+    ("diloco", 5, {"diloco": {**PAPER_PAIR, "outer_lr": 0.5, "outer_momentum_warmup_rounds": 200}},
+     "outer-lr0.5-momentum0.9-warmup200"),
+    ("diloco", 5, {"diloco": {**PAPER_PAIR, "outer_momentum": 0.8, "outer_momentum_warmup_rounds": 200}},
+     "outer-lr0.7-momentum0.8-warmup200"),
+    # SparseLoCo cannot take DiLoCo's momentum 0.9 at the server (each coordinate arrives in bursts the momentum then
+    # repeats): the momentum kept in each datacenter instead, before the selection (chunk-topk's momentum), so that
+    # what is sent carries it once; at 96 of 4,096 (100x fewer bytes up than DiLoCo fp32), no server momentum
+    *[("sparseloco", 10, {"sparseloco": {"chunk_k": 96, "outer_lr": lr, "local_momentum": mu, "outer_momentum": 0.0}},
+       f"density96-local-momentum{mu:g}-outer-lr{lr:g}") for mu, lr in ((0.9, 0.7), (0.9, 1.0), (0.8, 1.0))],
+    ("sparseloco", 10, {"sparseloco": {"chunk_k": 96, "outer_lr": 0.7, "local_momentum": 0.9, "outer_momentum": 0.0,
+                                       "decay": 1.0}}, "density96-local-momentum0.9-outer-lr0.7-no-decay"),
+    # SparseLoCo wins at equal τ only where it gets many outer steps (400 at τ = 5, not 200 at τ = 10): at τ = 10 over
+    # three times the budget (6,000 inner steps, 600 rounds, the inner schedule stretched with it), DiLoCo's recipe
+    # beside SparseLoCo's best τ = 10 setting (96 of 4,096: 100x fewer bytes up), each momentum warmed up over half
+    *[(key, 10, {key: setting, "steps": 6000}, f"{label}-budget6000") for key, setting, label in (
+        ("diloco", {**PAPER_PAIR, "outer_momentum_warmup_rounds": 300}, "paper-outer-momentum-warmup300"),
+        ("sparseloco", {"chunk_k": 96, "outer_lr": 1.5, "outer_momentum": 0.5, "outer_momentum_warmup_rounds": 300},
+         "density96-outer-lr1.5-momentum0.5"))],
     # Streaming DiLoCo (2 fragments, each merged τ/2 steps after it is sent) at H = 10, with the τ = 10 rows' warm-up
     *[(key, 10, {"diloco": {"outer_momentum_warmup_rounds": momentum_warmup_rounds(SIZES["full"], 10)}}, "")
       for key in ("streaming-diloco", "streaming-diloco-int4")],
@@ -161,10 +184,13 @@ def row_id(key: str, tau: int, label: str = "") -> str:
 def run_row(key: str, tau: int, override: dict[str, Any], label: str) -> dict[str, Any]:
     """One row at τ `tau` over the full budget: its final validation loss, curve and bytes each way."""
     torch.set_num_threads(1)
-    size = dataclasses.replace(SIZES["full"], tau=tau, tau_warmup_start=min(SIZES["full"].tau_warmup_start, tau))
+    full = SIZES["full"]
+    steps = int(override.get("steps", full.steps))
+    size = dataclasses.replace(full, tau=tau, tau_warmup_start=min(full.tau_warmup_start, tau), steps=steps,
+                               eval_every_steps=full.eval_every_steps * steps // full.steps)
     tuned, _ = read_tuning("full")
     for family, setting in override.items():
-        if family not in ("method", "seed"):
+        if family not in ("method", "seed", "steps"):
             tuned[family] = {**tuned.get(family, {}), **setting}
     method = dataclasses.replace(method_catalogue(size, tuned)[key], **override.get("method", {}))
     seed = int(override.get("seed", 0))
@@ -175,7 +201,7 @@ def run_row(key: str, tau: int, override: dict[str, Any], label: str) -> dict[st
     changed = override.get("method", {})
     params = {**method.params, **({"inner_lr": method.lr} if "lr" in changed else {}),
               **({"downlink": ", ".join(method.downlink_codecs) or "fp32"} if "downlink_codecs" in changed else {})}
-    row = {"row": row_id(key, tau, label), "key": key, "tau": tau, "seed": seed, "params": params,
+    row = {"row": row_id(key, tau, label), "key": key, "tau": tau, "seed": seed, "steps": steps, "params": params,
            "codecs": list(method.codecs),
            "rounds": len(rounds), "val_loss": rounds[-1]["val_loss"],
            "curve": [r["val_loss"] for r in rounds if r.get("val_loss") is not None],
@@ -189,8 +215,9 @@ def markdown(rows: list[dict[str, Any]]) -> str:
     lines = ["| row | τ | settings | seed | rounds | val loss | bytes up | bytes down |",
              "| --- | ---: | --- | ---: | ---: | ---: | ---: | ---: |"]
     for r in sorted(rows, key=lambda r: (r["key"], r["tau"], r["row"])):
+        budget = [f"{r['steps']:,} steps"] if r.get("steps", SIZES["full"].steps) != SIZES["full"].steps else []
         settings = ", ".join([*(f"{k} {v:g}" if isinstance(v, int | float) else f"{k} {v}" for k, v in r["params"].items()),
-                              *r["codecs"]]) or "—"
+                              *r["codecs"], *budget]) or "—"
         lines.append(f"| {r['key']} | {r['tau']} | {settings} | {r.get('seed', 0)} | {r['rounds']} | {r['val_loss']:.4f} | "
                      f"{r['bytes_up']:,} | {r['bytes_down']:,} |")
     return "\n".join(lines)

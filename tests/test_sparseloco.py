@@ -71,6 +71,33 @@ def test_decaying_error_feedback_follows_sparselocos_recursion() -> None:
         torch.testing.assert_close(pipeline.residuals["w"], error, rtol=1e-6, atol=1e-7)
 
 
+def test_a_local_momentum_enters_the_error_feedback_in_nesterov_form_and_survives_a_restore() -> None:
+    """u ← μ·u + Δ; e ← β·e + Δ + μ·u; send chunk-top-k(e); e ← e − sent. Checked against that recursion written out,
+    with the pipeline rebuilt from its saved state after round 2."""
+    import copy
+
+    specs = ["chunk-topk:2:chunk=4:decay=0.5:momentum=0.9"]
+    pipeline = CodecPipeline(specs)
+    generator = torch.Generator().manual_seed(0)
+    updates = [torch.randn(3, 4, generator=generator) for _ in range(4)]
+    velocity, error = torch.zeros(3, 4), torch.zeros(3, 4)
+    for server_round, update in enumerate(updates, start=1):
+        if server_round == 3:
+            restored = CodecPipeline(specs)
+            restored.load_state_dict(copy.deepcopy(pipeline.state_dict()))
+            pipeline = restored
+        velocity = 0.9 * velocity + update
+        error = 0.5 * error + update + 0.9 * velocity
+        flat = error.reshape(-1)
+        sent = torch.zeros(12)
+        positions = chunk_top_positions(flat.abs(), 2, 4)
+        sent[positions] = flat[positions]
+        decoded = decode_payload(pipeline.encode({"w": update}, server_round).payload, {"w": (3, 4)})["w"]
+        torch.testing.assert_close(decoded.reshape(-1), sent, rtol=1e-6, atol=1e-6)
+        error = error - sent.view(3, 4)
+    torch.testing.assert_close(pipeline.residuals["w"], error, rtol=1e-6, atol=1e-6)
+
+
 def test_sparse_payload_is_over_100x_smaller_than_float32_on_a_large_tensor() -> None:
     tensor = torch.randn(256, 1024, generator=torch.Generator().manual_seed(1))
     encoded = CodecPipeline(["chunk-topk:64:decay=0.95", "int2"]).encode({"w": tensor}, 1)

@@ -74,6 +74,14 @@ def top_positions(magnitudes: torch.Tensor, k: int, threshold: str, generator: t
     return torch.sort(torch.topk(magnitudes, k, sorted=False).indices).values
 
 
+def accumulate_velocity(update: torch.Tensor, state: TensorState, momentum: float) -> torch.Tensor:
+    """The tensor's velocity u ← momentum · u + update, kept in `state` (u = update in its first round)."""
+    velocity = state.get("velocity")
+    velocity = update.clone() if velocity is None else velocity.mul_(momentum).add_(update)
+    state["velocity"] = velocity
+    return velocity
+
+
 class TopK(StructureCodec):
     """Top-k sparsification with error feedback and DGC's momentum correction, clipping and warm-up."""
 
@@ -106,12 +114,7 @@ class TopK(StructureCodec):
             if norm > clip:
                 update = update * (clip / norm)
         momentum = self.params["momentum"]
-        if momentum > 0:
-            velocity = state.get("velocity")
-            velocity = update.clone() if velocity is None else velocity.mul_(momentum).add_(update)
-            state["velocity"] = velocity
-            return velocity
-        return update
+        return accumulate_velocity(update, state, momentum) if momentum > 0 else update
 
     def begin_round(self, accumulated: Mapping[str, torch.Tensor], server_round: int) -> None:
         """With ``scope=global``: one magnitude threshold over all tensors of the round."""
@@ -168,7 +171,10 @@ class ChunkTopK(StructureCodec):
     k / chunk; 64 / 4096 = 1.6 % by default), so every part of the tensor is heard from in every round and, with
     ``int2`` at ``block`` = k, each chunk's values share one scale. The residual follows e ← decay · e + update before
     each round's selection (``decay`` β < 1 is SparseLoCo's error feedback that stands in for DiLoCo's outer momentum;
-    1 is plain error feedback), and e ← e − what was sent after it, the values' rounding included.
+    1 is plain error feedback), and e ← e − what was sent after it, the values' rounding included. With ``momentum``
+    μ > 0 the update is first given a Nesterov momentum kept in the datacenter (u ← μ·u + update; update + μ·u
+    enters the residual): DiLoCo's outer momentum moved before the selection, so that everything sent carries it
+    once and the server needs none of its own.
     """
 
     name = "chunk-topk"
@@ -180,10 +186,18 @@ class ChunkTopK(StructureCodec):
         "ef": Parameter(bool, True, "keep what is not sent in a residual added to the next update"),
         "decay": Parameter(float, 1.0, "β: the residual is multiplied by β before the next update is added "
                            "(SparseLoCo: 0.95)", low=0.0, high=1.0),
+        "momentum": Parameter(float, 0.0, "μ of a Nesterov momentum the datacenter keeps on its updates: what enters "
+                              "the residual is update + μ·u, u ← μ·u + update (0 = off)", low=0.0, high=0.999),
     }
 
     def residual_decay(self) -> float:
         return float(self.params["decay"])
+
+    def prepare(self, name: str, update: torch.Tensor, state: TensorState) -> torch.Tensor:
+        momentum = self.params["momentum"]
+        if momentum <= 0:
+            return update
+        return update + momentum * accumulate_velocity(update, state, momentum)
 
     def compress(self, name: str, tensor: torch.Tensor, state: TensorState, server_round: int) -> EncodedTensor:
         flat = tensor.reshape(-1)
