@@ -225,7 +225,7 @@ def method_catalogue(size: Size, tuned: dict[str, dict[str, Any]] | None = None)
     streaming = {"fragments": 2, "overlap": max(1, size.tau // 2), "alpha": 0.5, **outer}
     local_momentum = float(sparse.get("local_momentum", 0.0))  # the chunked top-k's own Nesterov momentum (0: none)
     sparse_codecs = (f"chunk-topk:{int(sparse['chunk_k'])}:decay={float(sparse['decay']):g}"
-                     + (f":momentum={local_momentum:g}" if local_momentum else ""), "int2")
+                     + (f":nesterov={local_momentum:g}" if local_momentum else ""), "int2")
     # down: the mean of 4 datacenters' selections has at most 4 k entries per chunk; 4-bit values (the reference's
     # error feedback carries what the rounding leaves to the next round)
     sparse_down = (f"chunk-topk:{4 * int(sparse['chunk_k'])}", "int4")

@@ -76,7 +76,7 @@ def test_a_local_momentum_enters_the_error_feedback_in_nesterov_form_and_survive
     with the pipeline rebuilt from its saved state after round 2."""
     import copy
 
-    specs = ["chunk-topk:2:chunk=4:decay=0.5:momentum=0.9"]
+    specs = ["chunk-topk:2:chunk=4:decay=0.5:nesterov=0.9"]
     pipeline = CodecPipeline(specs)
     generator = torch.Generator().manual_seed(0)
     updates = [torch.randn(3, 4, generator=generator) for _ in range(4)]

@@ -171,7 +171,7 @@ class ChunkTopK(StructureCodec):
     k / chunk; 64 / 4096 = 1.6 % by default), so every part of the tensor is heard from in every round and, with
     ``int2`` at ``block`` = k, each chunk's values share one scale. The residual follows e ← decay · e + update before
     each round's selection (``decay`` β < 1 is SparseLoCo's error feedback that stands in for DiLoCo's outer momentum;
-    1 is plain error feedback), and e ← e − what was sent after it, the values' rounding included. With ``momentum``
+    1 is plain error feedback), and e ← e − what was sent after it, the values' rounding included. With ``nesterov``
     μ > 0 the update is first given a Nesterov momentum kept in the datacenter (u ← μ·u + update; update + μ·u
     enters the residual): DiLoCo's outer momentum moved before the selection, so that everything sent carries it
     once and the server needs none of its own.
@@ -186,7 +186,7 @@ class ChunkTopK(StructureCodec):
         "ef": Parameter(bool, True, "keep what is not sent in a residual added to the next update"),
         "decay": Parameter(float, 1.0, "β: the residual is multiplied by β before the next update is added "
                            "(SparseLoCo: 0.95)", low=0.0, high=1.0),
-        "momentum": Parameter(float, 0.0, "μ of a Nesterov momentum the datacenter keeps on its updates: what enters "
+        "nesterov": Parameter(float, 0.0, "μ of a Nesterov momentum the datacenter keeps on its updates: what enters "
                               "the residual is update + μ·u, u ← μ·u + update (0 = off)", low=0.0, high=0.999),
     }
 
@@ -194,7 +194,7 @@ class ChunkTopK(StructureCodec):
         return float(self.params["decay"])
 
     def prepare(self, name: str, update: torch.Tensor, state: TensorState) -> torch.Tensor:
-        momentum = self.params["momentum"]
+        momentum = self.params["nesterov"]
         if momentum <= 0:
             return update
         return update + momentum * accumulate_velocity(update, state, momentum)
