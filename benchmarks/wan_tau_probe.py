@@ -24,6 +24,10 @@ Rows (key, τ, settings over the tuned ones):
 - at τ = 5 (400 rounds): DiLoCo's recipe (its momentum warmed up over half the rounds) on three seeds, and SparseLoCo
   at 44 of 4,096 (about τ = 10's bytes at 96) with outer lr 1.5 and 2, with and without momentum 0.5, and at 64 of
   4,096 (139x fewer bytes up than DiLoCo at τ = 5) with lr 1.5 and momentum 0.5 on three seeds;
+- DiLoCo's outer pair tuned at τ = 5 (four pairs and warm-ups); at τ = 10 over three times the budget (6,000 inner
+  steps), DiLoCo's recipe and SparseLoCo's best τ = 10 setting; SparseLoCo at 96/4096 with a Nesterov momentum kept
+  in each datacenter (chunk-topk's nesterov) instead of the server's; SparseLoCo's best τ = 10 setting at inner
+  learning rates 4.5e-3 to 1.2e-2, and DiLoCo's recipe at 4.5e-3 and 6e-3;
 - Streaming DiLoCo (fp32 and 4-bit) at H = 10, its momentum warmed up over half the rounds; with τ_o = 1, with
   τ_o = 1 and α = 0, with eager updates (outer momentum 0.9, 0.5 and 0), and with τ_o = 4 and α = 0.
 The τ = 50 figures to compare with are the benchmark's and the tuning's own.
