@@ -102,7 +102,7 @@ DILOCO = {"outer_lr": 0.7, "outer_momentum": 0.5}
 #: SparseLoCo before tuning: chunked top-k k of every 4096 values, outer learning rate
 SPARSELOCO = {"chunk_k": 64, "outer_lr": 1.0, "decay": 0.95}
 #: the SparseLoCo settings that configure its uplink codec (the rest are the strategy's parameters)
-SPARSELOCO_CODEC_KEYS = ("chunk_k", "decay", "local_momentum")
+SPARSELOCO_CODEC_KEYS = ("chunk_k", "decay", "nesterov")
 #: the asynchronous row: this datacenter computes 4× slower than the others
 SLOW_DATACENTER = "sa-east"
 SLOW_SPEED = 0.25
@@ -223,9 +223,9 @@ def method_catalogue(size: Size, tuned: dict[str, dict[str, Any]] | None = None)
     sparse = {**SPARSELOCO, **tuned.get("sparseloco", {})}
     outer_text = f"outer Nesterov ({outer['outer_lr']:g}, {outer['outer_momentum']:g})"
     streaming = {"fragments": 2, "overlap": max(1, size.tau // 2), "alpha": 0.5, **outer}
-    local_momentum = float(sparse.get("local_momentum", 0.0))  # the chunked top-k's own Nesterov momentum (0: none)
+    nesterov = float(sparse.get("nesterov", 0.0))  # the chunked top-k's own Nesterov momentum (0: none)
     sparse_codecs = (f"chunk-topk:{int(sparse['chunk_k'])}:decay={float(sparse['decay']):g}"
-                     + (f":nesterov={local_momentum:g}" if local_momentum else ""), "int2")
+                     + (f":nesterov={nesterov:g}" if nesterov else ""), "int2")
     # down: the mean of 4 datacenters' selections has at most 4 k entries per chunk; 4-bit values (the reference's
     # error feedback carries what the rounding leaves to the next round)
     sparse_down = (f"chunk-topk:{4 * int(sparse['chunk_k'])}", "int4")

@@ -152,9 +152,9 @@ ROWS: list[tuple[str, int, dict[str, Any], str]] = [
     # SparseLoCo cannot take DiLoCo's momentum 0.9 at the server (each coordinate arrives in bursts the momentum then
     # repeats): the momentum kept in each datacenter instead, before the selection (chunk-topk's nesterov), so that
     # what is sent carries it once; at 96 of 4,096 (100x fewer bytes up than DiLoCo fp32), no server momentum
-    *[("sparseloco", 10, {"sparseloco": {"chunk_k": 96, "outer_lr": lr, "local_momentum": mu, "outer_momentum": 0.0}},
+    *[("sparseloco", 10, {"sparseloco": {"chunk_k": 96, "outer_lr": lr, "nesterov": mu, "outer_momentum": 0.0}},
        f"density96-local-momentum{mu:g}-outer-lr{lr:g}") for mu, lr in ((0.9, 0.7), (0.9, 1.0), (0.8, 1.0))],
-    ("sparseloco", 10, {"sparseloco": {"chunk_k": 96, "outer_lr": 0.7, "local_momentum": 0.9, "outer_momentum": 0.0,
+    ("sparseloco", 10, {"sparseloco": {"chunk_k": 96, "outer_lr": 0.7, "nesterov": 0.9, "outer_momentum": 0.0,
                                        "decay": 1.0}}, "density96-local-momentum0.9-outer-lr0.7-no-decay"),
     # the one setting SparseLoCo never had tuned for itself is the inner learning rate (3e-3, tuned on FedAvg): a sparse
     # update moving the model less a round, a larger inner step may make up for it
