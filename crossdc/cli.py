@@ -57,6 +57,7 @@ USER_ERRORS: dict[str, tuple[str, ...]] = {
     "crossdc.db.security": ("TokenError",),
     "crossdc.clients.enroll": ("EnrollmentError",),
     "crossdc.deployment.superlink_control": ("ControlError",),
+    "crossdc.orchestration.submission": ("SubmissionRefused",),
 }
 
 
@@ -84,13 +85,17 @@ def _print_round(rows: list[dict[str, Any]], total: int) -> None:
     row = rows[-1]
     loss = "   -   " if row.get("val_loss") is None else f"{row['val_loss']:.4f}"
     acc = "  -  " if row.get("val_accuracy") is None else f"{100 * row['val_accuracy']:.1f}%"
-    typer.echo(f"  round {row['round']:>3}/{total}  tau={row['tau']:<4} val_loss={loss}  val_acc={acc}  "
-               f"up={row['bytes_up'] / 1e6:.2f} MB  down={row['bytes_down'] / 1e6:.2f} MB  {row['wall_s']:.1f}s", err=True)
+    wall = "-" if row.get("wall_s") is None else f"{row['wall_s']:.1f}s"
+    tau = "-" if row.get("tau") is None else str(row["tau"])
+    typer.echo(f"  round {row['round']:>3}/{total}  tau={tau:<4} val_loss={loss}  val_acc={acc}  "
+               f"up={(row.get('bytes_up') or 0) / 1e6:.2f} MB  down={(row.get('bytes_down') or 0) / 1e6:.2f} MB  {wall}",
+               err=True)
 
 
 def _run_experiment(config: Any, db_url: str, engine: str, port: int, runs_dir: Path, quiet: bool,
                     superlink: str | None = None, detach: bool = False, superlink_ca: Path | None = None,
                     run_id: str | None = None, resume: bool = False) -> dict[str, Any]:
+    from crossdc.db.security import local_operator
     from crossdc.orchestration.local_run import Detached, LocalRunOptions, run_local
 
     total = config.run.rounds
@@ -98,11 +103,22 @@ def _run_experiment(config: Any, db_url: str, engine: str, port: int, runs_dir: 
     try:
         result = run_local(config, LocalRunOptions(db_url=db_url, engine=engine, superlink_port=port, runs_root=runs_dir,
                                                    progress=progress, superlink=superlink, detach=detach,
-                                                   superlink_ca=superlink_ca, run_id=run_id, resume=resume))
+                                                   superlink_ca=superlink_ca, run_id=run_id, resume=resume,
+                                                   audited_as=local_operator() if superlink is not None else None))
     except Detached as detached:
         typer.echo(f"crossdc: {detached}", err=True)
         raise typer.Exit(0) from None
     return result.summary
+
+
+def _checkpoint_roots(given: list[str] | None, runs_dir: Path) -> tuple[str, ...]:
+    """The checkpoint roots of --checkpoint-root (default: `runs_dir`), or a one-line failure for a bad one."""
+    from crossdc.orchestration.submission import resolve_checkpoint_roots
+
+    try:
+        return resolve_checkpoint_roots(given or [], runs_dir.resolve())
+    except ValueError as err:
+        fail(str(err))
 
 
 def _install_sigterm() -> None:
@@ -158,6 +174,9 @@ def run(
     engine: str = typer.Option("deployment", "--engine",
                                help="deployment (SuperLink + SuperNodes) or simulation (Flower's in-process engine)."),
     runs_dir: Path = typer.Option(Path("runs"), "--runs-dir", help="Where run folders (logs, trainer state) go."),
+    checkpoint_roots: list[str] | None = typer.Option(None, "--checkpoint-root", metavar="PATH_OR_URL",
+                                                      help="With --superlink: where checkpoint.dir may point (repeatable; "
+                                                           "a relative one goes under the first; default: --runs-dir)."),
 ) -> None:
     """Run one experiment locally; prints the run id."""
     if detach and superlink is None:
@@ -166,6 +185,8 @@ def run(
         fail("--superlink-ca needs --superlink and an existing CA file")
     if superlink is not None and baseline is not None:
         fail("--baseline runs in this process; it does not take --superlink")
+    if checkpoint_roots and superlink is None:
+        fail("--checkpoint-root needs --superlink (a local run keeps checkpoints where its config says)")
     if engine not in ("deployment", "simulation"):
         fail(f"unknown engine '{engine}'; known: deployment, simulation")
     config = _load_and_check(config_path)
@@ -175,6 +196,13 @@ def run(
     if baseline is not None and baseline not in BASELINE_KINDS:
         fail(f"unknown baseline '{baseline}'; known: {', '.join(BASELINE_KINDS)}")
     db_url = resolve_database_url(db)
+    if superlink is not None:  # as POST /api/runs admits it: checkpoints under the roots, enrolled datacenters only
+        from crossdc.orchestration.submission import StandingFederation, datacenter_states_at
+
+        roots = _checkpoint_roots(checkpoint_roots, runs_dir)
+        upgrade(db_url)
+        config = StandingFederation(superlink, superlink_ca, runs_dir.resolve(), roots).admit(config,
+                                                                                             datacenter_states_at(db_url))
     if baseline is not None:
         upgrade(db_url)
         run_id = uuid.uuid4().hex
@@ -324,6 +352,10 @@ def serve(
                                               "POST /api/runs submits runs there (and enrollments register keys there unless "
                                               "--superlink-control names another address)."),
     runs_dir: Path = typer.Option(Path("runs"), "--runs-dir", help="With --superlink: where submitted runs' folders go."),
+    checkpoint_roots: list[str] | None = typer.Option(None, "--checkpoint-root", metavar="PATH_OR_URL",
+                                                      help="With --superlink: a folder or fsspec URL submitted runs may keep "
+                                                           "checkpoints under (repeatable; a relative checkpoint.dir goes under "
+                                                           "the first; default: --runs-dir); any other is refused (422)."),
 ) -> None:
     """The JSON API (/api, OpenAPI at /docs), Prometheus /metrics and the dashboard over the run log; enrollment,
     run submission and admin endpoints need a token (`crossdc admin create-token`)."""
@@ -344,13 +376,18 @@ def serve(
     registers_at = superlink_control or superlink
     control = (SuperLinkControl(registers_at, superlink_ca, insecure=superlink_ca is None)
                if registers_at is not None else None)
-    federation = (StandingFederation(superlink, superlink_ca, runs_dir.resolve()) if superlink is not None else None)
+    if checkpoint_roots and superlink is None:
+        fail("--checkpoint-root needs --superlink (only submitted runs are confined to it)")
+    federation = (StandingFederation(superlink, superlink_ca, runs_dir.resolve(), _checkpoint_roots(checkpoint_roots, runs_dir))
+                  if superlink is not None else None)
     app_ = create_app(url, lock_reads=lock_reads, superlink_control=control, standing_federation=federation)
     scheme = "https" if certfile else "http"
     typer.echo(f"crossdc: serving {safe_url(url)} on {scheme}://{host}:{port}/ (API docs at /docs); reads "
                f"{'need a token' if lock_reads else 'are open'}; enrollment "
-               f"{'registers keys at ' + registers_at if control else 'is off (no --superlink-control)'}; run submission "
-               f"{'goes to ' + superlink if federation else 'is off (no --superlink)'}; Ctrl-C stops",
+               f"{'registers keys at ' + registers_at + ' (again if it loses them)' if control else 'is off (no --superlink-control)'}; "
+               "run submission "
+               f"{'goes to ' + superlink if federation else 'is off (no --superlink)'}"
+               f"{' with checkpoints under ' + ', '.join(federation.roots) if federation else ''}; Ctrl-C stops",
                err=True)
     if scheme == "http" and host not in ("127.0.0.1", "localhost", "::1"):
         typer.echo("crossdc: warning: plain HTTP on a non-loopback address sends tokens in the clear; use --certfile/--keyfile",
@@ -635,7 +672,7 @@ def runs_follow(run_id: str, db: str | None = DB_OPTION) -> None:
     from crossdc.db.engine import resolve_database_url
     from crossdc.orchestration.follow import follow_run
 
-    summary = follow_run(resolve_database_url(db), run_id, progress=lambda rows: _print_round(rows, len(rows)))
+    summary = follow_run(resolve_database_url(db), run_id, progress=lambda row, planned: _print_round([row], planned))
     typer.echo(f"run {run_id} finished", err=True)
     typer.echo(json.dumps(_jsonable(summary)))
 
@@ -643,7 +680,9 @@ def runs_follow(run_id: str, db: str | None = DB_OPTION) -> None:
 @node_app.command("start")
 @_guard
 def node_start(
-    superlink: str = typer.Option(..., "--superlink", help="HOST:PORT the datacenter reaches the federation at (the Fleet API front)."),
+    superlink: str | None = typer.Option(None, "--superlink",
+                                         help="HOST:PORT the datacenter reaches the federation at (the Fleet API front; default: the "
+                                              "front `crossdc enroll` recorded in STATE_DIR/enrollment.json)."),
     datacenter: str = typer.Option(..., "--datacenter", help="This datacenter's name, as in the experiment configs."),
     state_dir: Path = typer.Option(Path("crossdc-node"), "--state-dir",
                                    help="Durable state: trainers' state stores, logs, the node's key."),
@@ -652,12 +691,12 @@ def node_start(
     insecure: bool = typer.Option(False, "--insecure", help="Plain HTTP to the SuperLink (loopback tests only)."),
     max_runs: int = typer.Option(2, "--max-runs", min=1, help="Trainers kept alive at once (least recently used stopped)."),
     auth_key: Path | None = typer.Option(None, "--auth-key",
-                                         help="The SuperNode's enrolled private key (default: STATE_DIR/node-key when `crossdc enroll` "
-                                              "made one)."),
+                                         help="The SuperNode's enrolled private key: OpenSSH, or PEM (PKCS#8 or SEC1, converted), EC on "
+                                              "P-256/384/521, unencrypted (default: STATE_DIR/node-key when `crossdc enroll` made one)."),
 ) -> None:
     """Run this datacenter's side of a standing federation: its SuperNode and the node service that gives every
     run a persistent local trainer (all local GPUs). Ctrl-C stops both."""
-    from crossdc.clients.enroll import PRIVATE_KEY_FILE
+    from crossdc.clients.enroll import ENROLLMENT_FILE, PRIVATE_KEY_FILE, supernode_auth_key
     from crossdc.clients.node import node_socket
     from crossdc.clients.node_runner import run_node
 
@@ -666,14 +705,35 @@ def node_start(
     if root_certificates is not None and not root_certificates.is_file():
         fail(f"--root-certificates: no such file: {root_certificates}")
     state_dir = state_dir.resolve()
+    if superlink is None:
+        try:
+            superlink = str(json.loads((state_dir / ENROLLMENT_FILE).read_text())["front"])
+        except (OSError, ValueError, KeyError, TypeError):
+            fail(f"give --superlink FRONT_HOST:PORT (no front recorded by `crossdc enroll` in {state_dir / ENROLLMENT_FILE})")
     if auth_key is None and (state_dir / PRIVATE_KEY_FILE).exists():
         auth_key = state_dir / PRIVATE_KEY_FILE
     if auth_key is not None and not auth_key.is_file():
         fail(f"--auth-key: no such file: {auth_key}")
+    if auth_key is not None:  # flower-supernode reads only OpenSSH keys: refuse or convert before it starts
+        state_dir.mkdir(parents=True, exist_ok=True)
+        auth_key = supernode_auth_key(auth_key, state_dir)
     signed = f"signed with {auth_key}" if auth_key else "unauthenticated (no enrolled key)"
     typer.echo(f"datacenter {datacenter}: SuperNode → {superlink} ({signed}), node service on {node_socket(state_dir)}, "
                f"state in {state_dir}", err=True)
     run_node(superlink, datacenter, state_dir, root_certificates, insecure, max_runs, auth_key=auth_key)
+
+
+@node_app.command("health")
+@_guard
+def node_health(
+    state_dir: Path = typer.Option(Path("crossdc-node"), "--state-dir", help="The node's state folder (as for `node start`)."),
+    max_age_s: float = typer.Option(60.0, "--max-age", min=1, help="Seconds since the SuperLink last accepted the SuperNode."),
+) -> None:
+    """Exit 0 if this datacenter's node is healthy: its node service answers, and the SuperLink accepted its
+    SuperNode within --max-age seconds (compose.yaml's health check)."""
+    from crossdc.clients.node_runner import node_health as check
+
+    typer.echo(check(state_dir.resolve(), max_age_s))
 
 
 @app.command()
@@ -687,6 +747,9 @@ def enroll(
     rtt_ms: float | None = typer.Option(None, "--rtt-ms", min=0, help="WAN round-trip time, if known."),
     state_dir: Path = typer.Option(Path("crossdc-node"), "--state-dir", help="The node's state folder; the key pair is made here."),
     ca_cert: Path | None = typer.Option(None, "--ca-cert", help="CA of the service's certificate (`crossdc certs`' ca.pem)."),
+    front: str | None = typer.Option(None, "--front",
+                                     help="HOST:PORT of the federation's Fleet API front, where the node connects (default: the "
+                                          "--server's host, port 9092); recorded for `crossdc node start`."),
     new_key: bool = typer.Option(False, "--new-key",
                                  help="Make a new key pair first (to enroll again after a suspension); the old one is kept aside."),
     token_env: str = typer.Option("CROSSDC_ENROLLMENT_TOKEN", "--token-env",
@@ -704,10 +767,12 @@ def enroll(
     if ca_cert is not None and not ca_cert.is_file():
         fail(f"--ca-cert: no such file: {ca_cert}")
     record = enroll_datacenter(server, token, state_dir.resolve(), name=name, gpus=gpus, region=region,
-                               link_bandwidth_mbps=bandwidth_mbps, link_rtt_ms=rtt_ms, ca_cert=ca_cert, new_key=new_key)
+                               link_bandwidth_mbps=bandwidth_mbps, link_rtt_ms=rtt_ms, ca_cert=ca_cert, new_key=new_key,
+                               front=front)
     typer.echo(f"datacenter {name} enrolled (node {record.get('node_id')}); key in {state_dir.resolve() / PRIVATE_KEY_FILE}; "
-               f"start it with: crossdc node start --datacenter {name} --state-dir {state_dir} --superlink FRONT:PORT "
-               "--root-certificates ca.pem", err=True)
+               f"start it with: crossdc node start --datacenter {name} --state-dir {state_dir} --superlink {record['front']} "
+               f"--root-certificates {ca_cert if ca_cert is not None else 'CA.pem'} (its SuperNode connects to the Fleet API "
+               f"front {record['front']}; its trainers' heartbeat goes to UDP on that host)", err=True)
 
 
 @admin_app.command("create-token")
@@ -715,16 +780,21 @@ def enroll(
 def admin_create_token(
     name: str = typer.Option(..., "--name", help="A name for the token (shown in the audit log)."),
     role: str = typer.Option("admin", "--role", help="admin, enrollment (may only enroll datacenters) or read."),
+    expires_in: str | None = typer.Option(None, "--expires-in", metavar="DURATION",
+                                          help="Refuse the token from this long after now on: e.g. 90d, 12h, 30m "
+                                               "(default: it never expires)."),
     db: str | None = DB_OPTION,
 ) -> None:
     """Create an API token; it is printed once (stdout) and stored only as its SHA-256."""
     from crossdc.db.engine import make_engine, resolve_database_url, upgrade
-    from crossdc.db.security import create_token
+    from crossdc.db.security import create_token, local_operator, parse_duration
 
+    lifetime = parse_duration(expires_in) if expires_in is not None else None
     url = resolve_database_url(db)
     upgrade(url)
-    token = create_token(make_engine(url), name, role)
-    typer.echo(f"token '{name}' (role {role}) created; it is shown only now:", err=True)
+    token = create_token(make_engine(url), name, role, expires_in=lifetime, actor=local_operator())
+    until = f", expires in {expires_in}" if expires_in is not None else ""
+    typer.echo(f"token '{name}' (role {role}{until}) created; it is shown only now:", err=True)
     typer.echo(token)
 
 
@@ -733,25 +803,30 @@ def admin_create_token(
 def admin_revoke_token(name: str = typer.Argument(..., help="The token's name."), db: str | None = DB_OPTION) -> None:
     """Revoke an API token from now on."""
     from crossdc.db.engine import make_engine, resolve_database_url
-    from crossdc.db.security import revoke_token
+    from crossdc.db.security import local_operator, revoke_token
 
-    revoke_token(make_engine(resolve_database_url(db)), name)
+    revoke_token(make_engine(resolve_database_url(db)), name, actor=local_operator())
     typer.echo(f"token '{name}' revoked", err=True)
 
 
 @admin_app.command("tokens")
 @_guard
 def admin_tokens(db: str | None = DB_OPTION, as_json: bool = typer.Option(False, "--json")) -> None:
-    """List API tokens: name, role, dates (never the tokens)."""
+    """List API tokens: name, role, dates, expiry (never the tokens)."""
     from crossdc.db.engine import make_engine, resolve_database_url
-    from crossdc.db.security import list_tokens
+    from crossdc.db.queries import utcnow
+    from crossdc.db.security import list_tokens, token_problem
 
     rows = list_tokens(make_engine(resolve_database_url(db)))
     if as_json:
         typer.echo(json.dumps(_jsonable(rows)))
         return
+    now = utcnow()
     for row in rows:
-        state = f"revoked {row['revoked_at']:%Y-%m-%d %H:%M}" if row["revoked_at"] else "live"
+        problem = token_problem(row["revoked_at"], row["expires_at"], now)
+        state = (f"revoked {row['revoked_at']:%Y-%m-%d %H:%M}" if problem == "revoked" else
+                 f"expired {row['expires_at']:%Y-%m-%d %H:%M}" if problem == "expired" else
+                 f"live, expires {row['expires_at']:%Y-%m-%d %H:%M}" if row["expires_at"] else "live")
         typer.echo(f"{row['name']:<24} {row['role']:<11} created {row['created_at']:%Y-%m-%d %H:%M}  {state}")
 
 

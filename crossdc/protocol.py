@@ -68,7 +68,8 @@ PAYLOAD_STYPE = "crossdc.payload"
 #: the hello query: the configured datacenters' names, comma-separated
 HELLO_DATACENTERS = "datacenters"
 #: the hello query of a run on a standing federation with a heartbeat: the coordinator's heartbeat UDP port and the
-#: attempt's heartbeat key (hex) (crossdc.deployment.heartbeat.HeartbeatOffer)
+#: key of the node the hello is sent to (hex; derived from the attempt's secret and the node id, so a node can sign
+#: beats only for the datacenter bound to it: crossdc.deployment.heartbeat.NodeKeys)
 HELLO_HEARTBEAT_PORT = "heartbeat-port"
 HELLO_HEARTBEAT_KEY = "heartbeat-key"
 #: crossdc's run id, its run folder (also the Flower App's run-config key), and the experiment config (JSON)

@@ -49,10 +49,12 @@ class Site:
 
 
 @contextlib.contextmanager
-def serve(db_url: str) -> Iterator[Site]:
-    """The dashboard over `db_url`, served by uvicorn on a free port in a thread until the block ends."""
+def serve(db_url: str, *, lock_reads: bool = False) -> Iterator[Site]:
+    """The dashboard over `db_url` (reads locked if asked: `crossdc serve --lock-reads`), served by uvicorn on a free
+    port in a thread until the block ends."""
     port = free_port()
-    server = uvicorn.Server(uvicorn.Config(create_app(db_url), host="127.0.0.1", port=port, log_level="warning", ws="none"))
+    app = create_app(db_url, lock_reads=lock_reads)
+    server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning", ws="none"))
     thread = threading.Thread(target=server.run, name="dashboard-under-test", daemon=True)
     thread.start()
     try:
@@ -64,12 +66,13 @@ def serve(db_url: str) -> Iterator[Site]:
 
 
 @contextlib.contextmanager
-def serve_fresh(tmp_path_factory: pytest.TempPathFactory, name: str, write: Callable[[str], None]) -> Iterator[Site]:
+def serve_fresh(tmp_path_factory: pytest.TempPathFactory, name: str, write: Callable[[str], None], *,
+                lock_reads: bool = False) -> Iterator[Site]:
     """A new SQLite database (folder `name`) at the schema's head, filled by `write(db_url)`, served by :func:`serve`."""
     db_url = f"sqlite:///{tmp_path_factory.mktemp(name) / 'crossdc.db'}"
     upgrade(db_url)
     write(db_url)
-    with serve(db_url) as served:
+    with serve(db_url, lock_reads=lock_reads) as served:
         yield served
 
 

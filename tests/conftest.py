@@ -20,7 +20,7 @@ from sqlalchemy.engine import make_url
 from crossdc.clients.channel import call_trainer
 from crossdc.db.engine import make_engine, upgrade
 from crossdc.db.queries import get_run, list_datacenter_rounds, list_events, list_rounds
-from crossdc.experiment.processes import free_port, is_running
+from crossdc.experiment.processes import free_port, is_running, processes_with_env
 from crossdc.experiment.rundir import RunDir
 from crossdc.wan.network import namespaces_unavailable
 
@@ -249,33 +249,81 @@ def _via(url: str, relay: TcpRelay) -> str:
 
 
 
+class AuthenticatingSuperLink:
+    """A real flower-superlink with SuperNode authentication (so TLS, with `crossdc certs` certificates) on a free
+    loopback port, that can be stopped and started again on the same port; with `database`, its state (registered
+    nodes, runs) is kept there (`flower-superlink --database`), else in its memory."""
+
+    def __init__(self, directory: Path, database: Path | None = None) -> None:
+        from crossdc.deployment.tls import make_certificates
+        from crossdc.experiment.processes import ProcessGroup
+
+        self.directory, self.database = directory, database
+        self.certs = make_certificates(directory / "certs", ["127.0.0.1", "localhost"])
+        self.port = free_port()
+        self.address = f"127.0.0.1:{self.port}"
+        self.processes = ProcessGroup()
+
+    def start(self) -> None:
+        from crossdc.experiment.processes import flower_env, wait_for_port
+
+        certs = self.certs
+        state = ["--database", str(self.database)] if self.database is not None else []
+        superlink = self.processes.start("superlink", [str(Path(sys.executable).with_name("flower-superlink")),
+                                                       "--ssl-certfile", str(certs.server_cert), "--ssl-keyfile", str(certs.server_key),
+                                                       "--ssl-ca-certfile", str(certs.ca_cert), "--enable-supernode-auth",
+                                                       "--disable-runtime-dependency-installation", *state, "--host", "127.0.0.1",
+                                                       "--port", str(self.port)], self.directory / "superlink.log",
+                                         env=flower_env(self.directory / "flwr-home"))
+        wait_for_port("127.0.0.1", self.port, 60, alive=superlink)
+
+    def stop(self) -> None:
+        """SIGTERM (what `docker compose restart` sends), SIGKILL after 10 s."""
+        self.processes.stop_all()
+
+    def kill(self) -> None:
+        """SIGKILL, a crash (its database, if any, as the crash left it)."""
+        self.processes.kill("superlink")
+
+
 @contextlib.contextmanager
 def authenticating_superlink(directory: Path) -> Iterator[tuple[str, Any]]:
     """A real flower-superlink with SuperNode authentication (so TLS, with `crossdc certs` certificates) on a free
     loopback port; yields its address and the certificate paths, and stops it afterwards."""
-    from crossdc.deployment.tls import make_certificates
-    from crossdc.experiment.processes import ProcessGroup, flower_env, free_port, wait_for_port
-
-    certs = make_certificates(directory / "certs", ["127.0.0.1", "localhost"])
-    port = free_port()
-    processes = ProcessGroup()
+    superlink = AuthenticatingSuperLink(directory)
     try:
-        superlink = processes.start("superlink", [str(Path(sys.executable).with_name("flower-superlink")),
-                                                  "--ssl-certfile", str(certs.server_cert), "--ssl-keyfile", str(certs.server_key),
-                                                  "--ssl-ca-certfile", str(certs.ca_cert), "--enable-supernode-auth",
-                                                  "--disable-runtime-dependency-installation", "--host", "127.0.0.1",
-                                                  "--port", str(port)], directory / "superlink.log",
-                                    env=flower_env(directory / "flwr-home"))
-        wait_for_port("127.0.0.1", port, 60, alive=superlink)
-        yield f"127.0.0.1:{port}", certs
+        superlink.start()
+        yield superlink.address, superlink.certs
     finally:
-        processes.stop_all()
+        superlink.stop()
+
+
+#: how long after `crossdc run` is killed its last process may still run in run_and_kill_when: the promise is 3 s
+#: (crossdc.experiment.processes.die_with_run_root); this bound is generous for a loaded machine, and still far below
+#: the tens of seconds an orphaned ServerApp or SuperExec lived before it was kept
+LEFTOVERS_GONE_S = 10.0
+
+
+def process_tree(marker: str, value: str) -> list[str]:
+    """"pid (parent ppid): command line" of every live process whose environment has marker=value (not this one)."""
+    found = []
+    for pid in processes_with_env(marker, value):
+        try:
+            stat = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[-1].split()
+            cmdline = Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace")
+        except OSError:
+            continue
+        found.append(f"{pid} (parent {stat[1]}): {cmdline[:200]}")
+    return found
 
 
 def run_and_kill_when(config: Path, db_url: str, runs: Path, env: dict[str, str], ready: Callable[[str], bool],
-                       within_s: float, poll_s: float) -> str:
-    """Start `crossdc run config`, SIGKILL its coordinator once `ready(run_id)` holds (within `within_s`), and return
-    the run's id; fails if the run ended first."""
+                       within_s: float, poll_s: float, marker: str) -> str:
+    """Start `crossdc run config` in a process group of its own, SIGKILL the whole group once `ready(run_id)` holds
+    (within `within_s`: what a crashed shell, the OOM killer or a lost terminal does), and return the run's id; fails
+    if the run ended first, or if any process of the run (found by `marker`, an environment variable of `env` that
+    every process of the run inherits) is still running LEFTOVERS_GONE_S after the kill. Before the kill they must
+    include the ServerApp, the trainers and the SuperNodes, which crossdc run does not start itself."""
     coordinator = subprocess.Popen([CROSSDC, "run", str(config), "--db", db_url, "--port", str(free_port()),
                                     "--runs-dir", str(runs)], stdout=subprocess.PIPE, stderr=subprocess.DEVNULL,
                                    env=env, start_new_session=True)
@@ -288,8 +336,20 @@ def run_and_kill_when(config: Path, db_url: str, runs: Path, env: dict[str, str]
             break
         time.sleep(poll_s)
     assert run_id and coordinator.poll() is None, "the run ended before it could be interrupted"
-    os.kill(coordinator.pid, signal.SIGKILL)
+    before = process_tree(marker, env[marker])
+    os.killpg(coordinator.pid, signal.SIGKILL)
+    killed_at = time.monotonic()
     coordinator.wait(timeout=30)
+    for part in ("flwr-serverapp", "crossdc.clients.trainer", "crossdc.clients.supernode"):
+        assert any(part in line for line in before), f"no {part} among the run's processes:\n" + "\n".join(before)
+    left = process_tree(marker, env[marker])
+    while left and time.monotonic() - killed_at < LEFTOVERS_GONE_S:
+        time.sleep(0.05)
+        left = process_tree(marker, env[marker])
+    gone_s = time.monotonic() - killed_at
+    assert not left, (f"{len(left)} process(es) of the run outlived it by {LEFTOVERS_GONE_S:g} s:\n" + "\n".join(left)
+                      + "\nbefore the kill:\n" + "\n".join(before))
+    print(f"all {len(before)} processes of run {run_id} gone {gone_s:.2f} s after the kill")
     return run_id
 
 

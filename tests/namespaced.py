@@ -19,7 +19,7 @@ from pathlib import Path
 import pytest
 
 from crossdc.experiment.links import LinkSpec
-from crossdc.wan.network import EmulatedNetwork, _process_start
+from crossdc.wan.network import EmulatedNetwork, owner_state
 
 #: for tests whose datacenters run in namespaces: skipped, with the reason, where namespaces cannot be made (failed
 #: under CI; conftest's `namespaces` fixture)
@@ -37,7 +37,7 @@ def emulated_datacenters(tmp_path: Path, star: Sequence[tuple[str, LinkSpec | No
     and the delay line's log in tmp_path/delay-line.log; removed (with every process left in its namespaces) after."""
     state_root = tmp_path / "wan"
     state_root.mkdir(parents=True, exist_ok=True)
-    mine = {"pid": os.getpid(), "pid_start": _process_start(os.getpid()), "network": "0.0.0.0/32", "namespaces": []}
+    mine = {**owner_state(os.getpid()), "network": "0.0.0.0/32", "namespaces": []}
     for slot in range(slot_base):
         (state_root / f"slot-{slot}.json").write_text(json.dumps(mine))
     with EmulatedNetwork(star, [], tmp_path / "ledgers", state_root=state_root,

@@ -233,6 +233,43 @@ def test_port_in_use_is_one_line_and_leaves_nothing(tmp_path: Path) -> None:
     assert not any((tmp_path / "runs").glob("*/logs/*.log"))
 
 
+# -- a standing federation admits what the API admits ----------------------------------------------
+
+
+@pytest.mark.timeout(180)
+def test_superlink_runs_and_serve_refuse_what_the_api_refuses(tmp_path: Path) -> None:
+    """`crossdc run --superlink` refuses, in one line and before anything starts, what POST /api/runs refuses: a
+    checkpoint.dir outside its --checkpoint-root, a datacenter not enrolled and active; `crossdc serve` refuses a
+    checkpoint root it cannot confine to."""
+    from crossdc.db.engine import make_engine, upgrade
+    from crossdc.db.models import DATACENTERS
+    from crossdc.db.queries import utcnow
+
+    db_url = f"sqlite:///{tmp_path / 'fed.db'}"
+    upgrade(db_url)
+    with make_engine(db_url).begin() as conn:  # us-east enrolled and active, eu-west revoked
+        conn.execute(sa.insert(DATACENTERS).values(name="us-east", status="active", enrolled_at=utcnow(), node_id="1"))
+        conn.execute(sa.insert(DATACENTERS).values(name="eu-west", status="revoked", enrolled_at=utcnow()))
+    outside, root = tmp_path / "elsewhere", tmp_path / "ckpt-root"
+    elsewhere = tmp_path / "elsewhere.toml"
+    elsewhere.write_text(SYNTHETIC_EXAMPLE.read_text() + f'\n[checkpoint]\nevery_rounds = 1\ndir = "{outside}"\n')
+    submit = ["--superlink", "127.0.0.1:9", "--db", db_url, "--runs-dir", str(tmp_path / "runs"), "--detach"]
+    invocations = {
+        "checkpoint": (["run", str(elsewhere), *submit, "--checkpoint-root", str(root)], tmp_path / "a"),
+        "datacenter": (["run", str(SYNTHETIC_EXAMPLE), *submit], tmp_path / "b"),
+        "serve": (["serve", "--port", "1", "--superlink", "127.0.0.1:9", "--checkpoint-root", "s3://bucket/../x"], tmp_path / "c"),
+    }
+    with ThreadPoolExecutor(max_workers=3) as pool:
+        results = dict(zip(invocations, pool.map(lambda item: cli(*item), invocations.values()), strict=True))
+    assert_one_error_line(results["checkpoint"], f"'checkpoint.dir' = '{outside}' is outside every checkpoint root",
+                          f"checkpoint roots: {root.resolve()}")
+    assert_one_error_line(results["datacenter"], "datacenters not enrolled and active at this federation: eu-west (revoked);")
+    assert_one_error_line(results["serve"], "--checkpoint-root 's3://bucket/../x'")
+    assert not outside.exists() and not (tmp_path / "runs").exists()
+    with make_engine(db_url).connect() as conn:
+        assert conn.execute(sa.text("select count(*) from runs")).scalar_one() == 0
+
+
 # -- other commands ------------------------------------------------------------------------------
 
 

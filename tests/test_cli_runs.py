@@ -106,6 +106,30 @@ def test_demo_quick_smoke(tmp_path: Path) -> None:
         engine.dispose()
 
 
+@pytest.mark.timeout(120)
+def test_runs_follow_counts_rounds_against_the_rounds_planned(tmp_path: Path) -> None:
+    """`crossdc runs follow` shows each round once against the run's planned rounds ("round 2/3", not "2/2"), then
+    the summary; `rounds_to_report` picks what is new, in round order."""
+    from crossdc.db.engine import upgrade
+    from crossdc.db.runlog import RunLog
+    from crossdc.orchestration.follow import rounds_to_report
+
+    assert [r["round"] for r in rounds_to_report([{"round": 3}, {"round": 1}, {"round": 2}], 1)] == [2, 3]
+    assert rounds_to_report([{"round": 1}, {"round": 2}], 2) == []
+    db_url = f"sqlite:///{tmp_path / 'follow.db'}"
+    upgrade(db_url)
+    with RunLog(db_url) as log:
+        log.start_run(run_id="followed", name="followed", strategy="fedavg", config={}, rounds_planned=3)
+        for r in (1, 2, 3):
+            log.log_round(run_id="followed", round=r, tau=2, val_loss=1.0 / r, val_accuracy=0.5, bytes_up=10**6,
+                          bytes_down=2 * 10**6, bytes_up_raw=10**6, wall_s=1.5)
+        log.finish_run(run_id="followed", status="finished", result={"run_id": "followed", "rounds": 3})
+    followed = crossdc("runs", "follow", "followed", "--db", db_url, cwd=tmp_path, timeout=100)
+    shown = [line.split()[1] for line in followed.stderr.splitlines() if line.strip().startswith("round ")]
+    assert shown == ["1/3", "2/3", "3/3"], followed.stderr
+    assert last_json_line(followed.stdout) == {"run_id": "followed", "rounds": 3}
+
+
 def test_demo_progress_off_a_terminal_prints_one_line_per_round() -> None:
     """On a pipe or a log file: a line when a run starts (with a status) and one per round, even when several rounds
     are reported at once; no progress bar."""

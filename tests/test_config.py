@@ -11,12 +11,14 @@ from typing import Any
 import pytest
 
 from crossdc.experiment.config import (
+    LIMITS,
     ConfigError,
     ExperimentConfig,
     LinkFault,
     MeshLink,
     SecuritySection,
     TauSchedule,
+    inner_steps_planned,
     load_config,
     parse_config,
 )
@@ -324,6 +326,62 @@ def test_partition_without_kind() -> None:
 def test_min_replies_more_than_datacenters_is_rejected() -> None:
     message = config_error(with_changes("run.min_replies", 3))  # 2 datacenters
     assert "run.min_replies" in message
+
+
+# -- limits: what a config may ask for ---------------------------------------------------------------
+
+
+def test_a_trillion_rounds_is_refused_at_once() -> None:
+    """Once summed τ over every round (10^8 rounds: 51 s; 10^12: a thread SIGTERM could not stop): now refused before
+    anything is computed, naming the key and the limit."""
+    assert config_error(with_changes("run.rounds", 10**12)) == (
+        "'run.rounds' must be ≤ 1000000 (the most a config may ask for), got 1000000000000")
+
+
+@pytest.mark.parametrize(
+    ("path", "key", "limit"),
+    [
+        ("run.rounds", "run.rounds", LIMITS["run.rounds"]),
+        ("strategy.tau", "strategy.tau", LIMITS["strategy.tau"]),
+        ("strategy.tau.start", "strategy.tau.start", LIMITS["strategy.tau"]),
+        ("strategy.tau.end", "strategy.tau.end", LIMITS["strategy.tau"]),
+        ("strategy.tau.warmup_rounds", "strategy.tau.warmup_rounds", LIMITS["strategy.tau.warmup_rounds"]),
+        ("datacenters.0.workers", "datacenters[0].workers", LIMITS["datacenters.workers"]),
+        ("workload.batch_size", "workload.batch_size", LIMITS["workload.batch_size"]),
+        ("workload.model_args.hidden", "workload.model_args.hidden", LIMITS["workload.model_args"]),
+        ("workload.model_args.layers", "workload.model_args.layers", LIMITS["workload.model_args.layers"]),
+    ],
+)
+def test_every_number_a_config_asks_for_is_bounded(path: str, key: str, limit: int) -> None:
+    doc = with_changes("workload.model", "mlp")
+    doc = with_changes("datacenters", [{"name": "us-east"}], doc)  # one datacenter: any batch size divides
+    if path.startswith("strategy.tau."):
+        doc = with_changes("strategy.tau", {"start": 1}, doc)
+    at_limit = with_changes(path, limit, doc)
+    if path == "datacenters.0.workers":
+        at_limit = with_changes("workload.batch_size", limit, at_limit)
+    parse_config(at_limit)  # the limit itself is allowed
+    assert config_error(with_changes(path, limit + 1, doc)) == (
+        f"'{key}' must be ≤ {limit} (the most a config may ask for), got {limit + 1}")
+
+
+def test_datacenters_codecs_and_faults_are_bounded_in_number() -> None:
+    many = [{"name": f"dc-{i}"} for i in range(LIMITS["datacenters"] + 1)]
+    assert config_error(with_changes("datacenters", many)) == (
+        f"at most {LIMITS['datacenters']} datacenters (the most a config may ask for), got {len(many)} [[datacenters]] tables")
+    assert len(parse_config(with_changes("datacenters", many[:-1])).datacenters) == LIMITS["datacenters"]
+    codecs = ["int8"] * (LIMITS["compression.codecs"] + 1)
+    assert "'compression.codecs' may list at most 16 codecs" in config_error(with_changes("compression", {"codecs": codecs}))
+    faults = [{"datacenter": "us-east", "after_round": 1, "cut_s": 1.0}] * (LIMITS["link_faults"] + 1)
+    assert config_error(with_changes("link_faults", faults)).startswith(f"at most {LIMITS['link_faults']} link faults")
+
+
+def test_inner_steps_planned_sum_tau_over_the_rounds() -> None:
+    for tau in (7, {"start": 2, "end": 8, "warmup_rounds": 2}, {"start": 1, "end": 86, "warmup_rounds": 10},
+                {"start": 50, "end": 3, "warmup_rounds": 6, "kind": "geometric"}):
+        for rounds in (1, 5, 12):
+            config = parse_config(with_changes("run.rounds", rounds, with_changes("strategy.tau", tau)))
+            assert inner_steps_planned(config) == sum(config.strategy.tau.tau(r) for r in range(1, rounds + 1))
 
 
 # -- documented but not built yet ----------------------------------------------------------

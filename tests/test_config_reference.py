@@ -18,7 +18,7 @@ from pathlib import Path
 import pytest
 
 from crossdc.experiment import config as config_module
-from crossdc.experiment.config import CONFIG_KEYS, ConfigError, parse_config
+from crossdc.experiment.config import CONFIG_KEYS, LIMITS, ConfigError, parse_config
 
 PAGE = Path(__file__).resolve().parents[1] / "docs" / "configuration.md"
 ROW = re.compile(r"^\|\s*`([^`]+)`\s*\|(.*)\|\s*$")
@@ -56,6 +56,13 @@ def test_every_accepted_key_is_documented_and_nothing_else() -> None:
     undocumented, unknown = drift(CONFIG_KEYS, PAGE.read_text(encoding="utf-8"))
     assert not undocumented, f"keys the parser accepts with no row in docs/configuration.md: {undocumented}"
     assert not unknown, f"rows in docs/configuration.md for keys the parser does not accept: {unknown}"
+
+
+def test_every_limit_is_documented_with_its_value() -> None:
+    """The page's "Limits" list states each bound of ``LIMITS`` (what a config may ask for), and no other."""
+    section = PAGE.read_text(encoding="utf-8").split("\n## Limits\n", 1)[1].split("\n## ", 1)[0]
+    listed = dict(re.findall(r"^- `([^`]+)`: at most ([0-9,]+)", section, flags=re.MULTILINE))
+    assert listed == {key: f"{most:,}" for key, most in LIMITS.items()}
 
 
 def test_every_row_says_type_default_meaning_and_error() -> None:

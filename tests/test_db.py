@@ -32,7 +32,7 @@ from crossdc.db.engine import (
 from crossdc.db.errors import DatabaseUnavailable, InvalidDatabaseUrl
 from crossdc.db.models import TIMELINE_SPAN_KINDS, metadata
 from crossdc.db.records import TimelineSpanRecord
-from crossdc.db.runlog import RunLog
+from crossdc.db.runlog import RESUME_REQUESTED, STALE_END_IGNORED, RunLog, newest_attempt
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from conftest import via_relay as _via  # noqa: E402
@@ -72,8 +72,9 @@ EXPECTED_COLUMNS: dict[str, set[str]] = {
         "id", "run_id", "round", "replica", "stage", "datacenter", "steps", "microbatches", "compute_s", "wall_s",
         "bubble_fraction", "bytes_forward", "bytes_backward", "bytes_source", "train_loss",
     },
-    "api_tokens": {"id", "name", "role", "token_hash", "created_at", "revoked_at", "last_used_at"},
-    "audit_log": {"id", "at", "action", "outcome", "actor", "target", "client", "detail"},
+    "api_tokens": {"id", "name", "role", "token_hash", "created_at", "revoked_at", "last_used_at", "expires_at"},
+    "api_sessions": {"id", "token_id", "session_hash", "created_at", "expires_at"},
+    "audit_log": {"id", "at", "action", "outcome", "actor", "target", "client", "detail", "count", "last_at", "window_key"},
 }
 BIG_FLOWER_ID = 2**63 + 12345  # does not fit a signed BIGINT
 
@@ -170,7 +171,7 @@ def _check_schema(url: str) -> None:
         assert set(EXPECTED_COLUMNS) <= tables
         for table, columns in EXPECTED_COLUMNS.items():
             assert {c["name"] for c in insp.get_columns(table)} == columns, table
-            if table not in ("datacenters", "runs", "api_tokens", "audit_log"):
+            if table not in ("datacenters", "runs", "api_tokens", "api_sessions", "audit_log"):
                 fks = insp.get_foreign_keys(table)
                 assert [(fk["referred_table"], fk["options"].get("ondelete")) for fk in fks] == [
                     ("runs", "CASCADE")
@@ -266,6 +267,41 @@ def test_revision_0009_adds_and_drops_gossip_columns_and_link_rounds(fresh_url: 
         insp = inspect(engine)
         assert "link_rounds" not in insp.get_table_names()
         assert "consensus_distance" not in {c["name"] for c in insp.get_columns("rounds")}
+        upgrade(fresh_url)
+        _check_schema(fresh_url)
+    finally:
+        engine.dispose()
+
+
+@pytest.mark.timeout(60)
+def test_revision_0012_adds_token_expiry_sessions_and_audit_windows_and_goes_back(fresh_url: str) -> None:
+    upgrade(fresh_url, "0011")
+    engine = make_engine(fresh_url)
+    try:
+        with engine.begin() as conn:  # a token and an audit row written before the revision
+            conn.execute(text("INSERT INTO api_tokens (name, role, token_hash, created_at) VALUES "
+                              "('ops', 'admin', :h, CURRENT_TIMESTAMP)"), {"h": "a" * 64})
+            conn.execute(text("INSERT INTO audit_log (at, action, outcome) VALUES (CURRENT_TIMESTAMP, 'enroll', 'ok')"))
+        upgrade(fresh_url, "0012")
+        assert current_revision(fresh_url) == "0012"
+        insp = inspect(engine)
+        for table in ("api_tokens", "api_sessions", "audit_log"):
+            assert {c["name"] for c in insp.get_columns(table)} == EXPECTED_COLUMNS[table], table
+        assert [fk["referred_table"] for fk in insp.get_foreign_keys("api_sessions")] == ["api_tokens"]
+        assert ["window_key"] in [u["column_names"] for u in insp.get_unique_constraints("audit_log")]
+        with engine.connect() as conn:  # what was there before: a token that never expires, a row of one act
+            assert conn.execute(text("SELECT expires_at FROM api_tokens")).one() == (None,)
+            assert conn.execute(text("SELECT count, window_key FROM audit_log")).one() == (1, None)
+        upgrade(fresh_url)
+        _check_schema(fresh_url)
+        downgrade(fresh_url, "0011")
+        insp = inspect(engine)
+        assert "api_sessions" not in insp.get_table_names()
+        assert "expires_at" not in {c["name"] for c in insp.get_columns("api_tokens")}
+        assert {c["name"] for c in insp.get_columns("audit_log")} == EXPECTED_COLUMNS["audit_log"] - {
+            "count", "last_at", "window_key"}
+        with engine.connect() as conn:
+            assert conn.execute(text("SELECT count(*) FROM audit_log")).scalar() == 1
         upgrade(fresh_url)
         _check_schema(fresh_url)
     finally:
@@ -773,3 +809,44 @@ def test_first_final_status_wins(migrated_sqlite_url: str) -> None:
     finally:
         engine.dispose()
     assert (run["status"], run["error"]) == ("interrupted", "Ctrl-C")
+
+
+def test_the_newest_attempt_is_the_highest_a_resume_named() -> None:
+    assert newest_attempt([]) == 1
+    assert newest_attempt([{"attempt": 3}, {"attempt": 2}, "a message", None, {"other": 9}]) == 3
+    assert newest_attempt([{"attempt": True}, {"attempt": "4"}, {"attempt": 4.0}]) == 1  # only an int names one
+
+
+@pytest.mark.timeout(60)
+def test_an_older_attempts_end_is_ignored_once_a_resume_started_a_newer_one(migrated_url: str) -> None:
+    """Attempt 1's ServerApp records its end after `crossdc resume` started attempt 2 (the run is running again):
+    the run stays running, with a stale-end-ignored event; attempt 2's end is the run's. An end without an attempt
+    (the orchestrator's) is recorded as before."""
+    run_id, unattempted = str(uuid.uuid4()), str(uuid.uuid4())
+    with RunLog(migrated_url) as log:
+        _start(log, run_id)
+        log.finish_run(run_id=run_id, status="interrupted", error="SystemExit: 0", attempt=1)  # before any resume
+        log.resume_run(run_id=run_id)
+        log.log_event(run_id=run_id, kind=RESUME_REQUESTED, detail={"attempt": 2})
+        log.flush(timeout=20)
+        log.finish_run(run_id=run_id, status="interrupted", error="SystemExit: 0", attempt=1)
+        log.flush(timeout=20)
+        engine = make_engine(migrated_url)
+        try:
+            run = queries.get_run(engine, run_id)
+            assert run is not None and (run["status"], run["error"], run["finished_at"]) == ("running", None, None)
+            assert [(e["kind"], e["detail"]) for e in queries.list_events(engine, run_id)][-1] == (
+                STALE_END_IGNORED, {"attempt": 1, "newest_attempt": 2, "status": "interrupted", "error": "SystemExit: 0"})
+            log.finish_run(run_id=run_id, status="finished", result={"rounds": 10}, attempt=2)
+            _start(log, unattempted)
+            log.log_event(run_id=unattempted, kind=RESUME_REQUESTED, detail={"attempt": 2})
+            log.finish_run(run_id=unattempted, status="failed", error="the SuperLink died")
+            log.flush(timeout=20)
+            assert log.stats()["rejected"] == 0
+            run = queries.get_run(engine, run_id)
+            assert run is not None and (run["status"], run["result"]) == ("finished", {"rounds": 10})
+            assert run["finished_at"] is not None
+            other = queries.get_run(engine, unattempted)
+            assert other is not None and (other["status"], other["error"]) == ("failed", "the SuperLink died")
+        finally:
+            engine.dispose()

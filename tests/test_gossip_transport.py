@@ -2,9 +2,16 @@
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import functools
+import json
+import os
+import select
+import signal
 import socket
+import subprocess
+import sys
 import threading
 import time
 from collections.abc import Callable, Iterator, Mapping
@@ -20,7 +27,7 @@ from test_gossip import LR, federation
 from crossdc.clients.gossip_agent import GossipAgent
 from crossdc.clients.gossip_replica import DELTA, FULL, GossipMessage, GossipReplica
 from crossdc.clients.gossip_transport import HANDSHAKE_MIN_S, Exchanged, GossipTransport, exchange_all, handshake_timeout
-from crossdc.experiment.processes import free_port
+from crossdc.experiment.processes import free_port, is_running, run_root_env
 from crossdc.strategies.base import RunInfo
 from crossdc.strategies.gossip import Gossip
 from crossdc.strategies.mixing import SKETCH_SIZE
@@ -236,3 +243,49 @@ def test_a_neighbour_gone_between_its_probe_and_the_meeting_costs_seconds_not_th
     for i in (0, 1):
         assert outcomes[i].message is None and outcomes[i].error and not outcomes[i].unreachable, outcomes[i]
         assert waited[i] < 20, (i, waited[i], outcomes[i].error)  # before: 2 × 40 s and a random delay at least
+
+
+#: a trainer's gossip under a run root named in its environment: datacenter 1 meets datacenter 0 on 0's store, and 0
+#: never comes (the exchange's process waits out its 120-s timeout); prints {process name: pid} of the transport's
+#: processes (both stores, the exchange) once they run. It watches no root itself, nor does its fork server.
+UNDER_A_ROOT = """
+import json, multiprocessing, threading, time
+from crossdc.clients.gossip_transport import GossipTransport
+from crossdc.experiment.processes import free_port
+addresses = {i: ("127.0.0.1", free_port()) for i in range(2)}
+stores = [GossipTransport(i, addresses, 120.0) for i in range(2)]
+threading.Thread(target=stores[1].exchange, args=(1, 0, lambda holds: None, 0), daemon=True).start()
+while "gossip-1-0" not in [p.name for p in multiprocessing.active_children()]:
+    time.sleep(0.05)
+print(json.dumps({p.name: p.pid for p in multiprocessing.active_children()}), flush=True)
+time.sleep(300)
+"""
+
+
+def test_the_transports_processes_die_with_the_run_root() -> None:
+    """A killed run leaves no gossip process behind: the stores and an exchange under way (forked from the fork
+    server, which starts no watch) die once the run's root dies, long before the exchange's timeout (120 s)."""
+    root = subprocess.Popen(["sleep", "300"])
+    trainer = subprocess.Popen([sys.executable, "-c", UNDER_A_ROOT], env={**os.environ, **run_root_env(root.pid)},
+                               stdout=subprocess.PIPE, text=True)
+    pids: dict[str, int] = {}
+    try:
+        assert trainer.stdout is not None
+        assert select.select([trainer.stdout], [], [], 120)[0], "the transport's processes did not start"
+        pids = json.loads(trainer.stdout.readline())
+        assert {"gossip-store-0", "gossip-store-1", "gossip-1-0"} <= set(pids), pids
+        assert all(is_running(pid) for pid in pids.values())
+        root.kill()
+        root.wait()
+        deadline = time.monotonic() + 10  # generous: the promise is 3 s (test_resume.py, serial)
+        while any(is_running(pid) for pid in pids.values()) and time.monotonic() < deadline:
+            time.sleep(0.1)
+        assert not [name for name, pid in pids.items() if is_running(pid)]
+        assert trainer.poll() is None  # the trainer watches no root here: what died, died of its own watch
+    finally:
+        root.kill()
+        trainer.kill()
+        trainer.wait()
+        for pid in pids.values():
+            with contextlib.suppress(OSError):
+                os.kill(pid, signal.SIGKILL)

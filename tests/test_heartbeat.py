@@ -16,7 +16,16 @@ from typing import Any
 import pytest
 from conftest import read_run
 
-from crossdc.deployment.heartbeat import Beat, HeartbeatMonitor, HeartbeatSender, decode_beat, encode_beat, liveness_changes
+from crossdc.deployment.heartbeat import (
+    Beat,
+    HeartbeatMonitor,
+    HeartbeatSender,
+    NodeKeys,
+    decode_beat,
+    encode_beat,
+    liveness_changes,
+    node_key,
+)
 from crossdc.experiment.config import ConfigError, parse_config
 from crossdc.experiment.processes import free_port
 from crossdc.orchestration.local_run import LocalRun, LocalRunOptions
@@ -48,6 +57,73 @@ def test_beats_are_signed_and_anything_else_is_refused() -> None:
     # signed but not a beat: refused, not raised
     for body in (b"[]", b'{"run": "run-1"}', b'{"run": "run-1", "dc": "x", "seq": "seven"}', b"\xff\xfe"):
         assert decode_beat(body + hmac.new(KEY, body, hashlib.sha256).digest(), KEY, "run-1") is None
+
+
+def test_a_nodes_key_is_derived_from_the_attempts_secret_and_its_node_id() -> None:
+    secret = b"s" * 32
+    assert node_key(secret, 7) == hmac.new(secret, b"crossdc-heartbeat:7", hashlib.sha256).digest()
+    assert node_key(secret, 2**64 - 1) == hmac.new(secret, b"crossdc-heartbeat:18446744073709551615", hashlib.sha256).digest()
+    assert len(node_key(secret, 7)) == 32 and node_key(secret, 7) != secret
+    assert len({node_key(secret, 7), node_key(secret, 70), node_key(secret, 8), node_key(b"t" * 32, 7)}) == 4
+    assert NodeKeys(secret).for_node(7) == node_key(secret, 7)
+
+
+def test_a_beat_naming_a_datacenter_is_verified_only_with_the_key_of_its_node() -> None:
+    """A standing federation: us-east is bound to node 11, eu-west to node 22; node 33 (refused at discovery) got
+    a hello, so it holds its own key, and it cannot beat for either; eu-west moves to node 44 on rejoin."""
+    keys = NodeKeys(b"s" * 32)
+
+    def beat(datacenter: str, node: int) -> Beat | None:
+        return decode_beat(encode_beat(Beat("run-1", datacenter, 1), node_key(b"s" * 32, node)), keys.key_of, "run-1")
+
+    assert keys.key_of("us-east") is None and beat("us-east", 11) is None  # bound to no node yet: refused
+    keys.bind("us-east", 11)
+    keys.bind("eu-west", 22)
+    assert keys.key_of("us-east") == node_key(b"s" * 32, 11)
+    assert beat("us-east", 11) == Beat("run-1", "us-east", 1) and beat("eu-west", 22) == Beat("run-1", "eu-west", 1)
+    assert beat("us-east", 22) is None and beat("eu-west", 11) is None  # one datacenter's node beating for the other
+    assert beat("us-east", 33) is None and beat("eu-west", 33) is None  # a node not bound to it
+    assert beat("ap-south", 33) is None  # nobody is bound to ap-south
+    keys.bind("eu-west", 44)  # rejoined under a new node: only that node's key from now on
+    assert beat("eu-west", 44) == Beat("run-1", "eu-west", 1) and beat("eu-west", 22) is None
+    assert beat("us-east", 11) == Beat("run-1", "us-east", 1)
+    # another run's, truncated or altered: refused as under one key
+    data = encode_beat(Beat("run-1", "us-east", 7), node_key(b"s" * 32, 11))
+    assert decode_beat(data, keys.key_of, "run-2") is None and decode_beat(data[:-1], keys.key_of, "run-1") is None
+    assert decode_beat(data.replace(b"us-east", b"eu-west"), keys.key_of, "run-1") is None
+    digest = b"d" * 32  # bodies read before any key is looked at: malformed ones are refused, never raised
+    for body in (b"[" * 490 + b"]" * 490, b'{"run": "run-1", "dc": "us-east", "seq": 1e400}', b'{"run": 1, "dc": [], "seq": NaN}',
+                 b'"us-east"', b"\xff\xfe", b'{"run": "run-1", "dc": "us-east", "seq": 1}'):
+        assert decode_beat(body + digest, keys.key_of, "run-1") is None
+    rng = random.Random(1)
+    assert all(decode_beat(rng.randbytes(rng.randint(0, 300)), keys.key_of, "run-1") is None for _ in range(500))
+
+
+@pytest.mark.timeout(60)
+def test_a_monitor_hears_a_datacenter_only_from_the_node_it_is_bound_to() -> None:
+    """A node not bound to us-east beating for it does not keep it up; us-east's own node does; after a move to a
+    new node, the old node's beats no longer count and the new one's do."""
+    secret = b"s" * 32
+    keys = NodeKeys(secret)
+    keys.bind("us-east", 11)
+    monitor = HeartbeatMonitor("127.0.0.1", 0, "run-1", keys.key_of, ["us-east"], timeout_s=0.5,
+                               on_change=lambda *_: None).start()
+    address = ("127.0.0.1", monitor.port)
+    senders = [HeartbeatSender(address, "run-1", "us-east", node_key(secret, 33), 0.05).start()]  # an impostor
+    try:
+        assert _wait_for(lambda: monitor.down() == {"us-east"} and monitor.refused >= 3)
+        assert monitor.beats["us-east"] == 0
+        senders.append(HeartbeatSender(address, "run-1", "us-east", node_key(secret, 11), 0.05).start())
+        assert _wait_for(lambda: monitor.down() == set())
+        keys.bind("us-east", 44)  # rejoined under node 44: node 11's beats (and the impostor's) are refused
+        assert _wait_for(lambda: monitor.down() == {"us-east"})
+        heard = monitor.beats["us-east"]
+        senders.append(HeartbeatSender(address, "run-1", "us-east", node_key(secret, 44), 0.05).start())
+        assert _wait_for(lambda: monitor.down() == set() and monitor.beats["us-east"] > heard)
+    finally:
+        for sender in senders:
+            sender.stop()
+        monitor.stop()
 
 
 @pytest.mark.timeout(60)

@@ -12,7 +12,7 @@ from crossdc.strategies.aggregation import add, cosine, l2_norm, weighted_averag
 from crossdc.strategies.base import ClientUpdate, Parameter, Strategy, StrategyError
 from crossdc.strategies.fedavg import FedAvgTau
 from crossdc.strategies.registry import available_strategies, strategy_class
-from crossdc.strategies.schedule import TauSchedule, tau_for_round
+from crossdc.strategies.schedule import TauSchedule, tau_for_round, tau_sum
 
 # -- tau_for_round ----------------------------------------------------------------
 
@@ -65,6 +65,26 @@ def test_constant_schedule() -> None:
 def test_bad_schedule_inputs_raise(server_round: int, start: int, end: int, warmup: int, kind: str, match: str) -> None:
     with pytest.raises(ValueError, match=match):
         tau_for_round(server_round, start, end, warmup, kind)
+
+
+def test_tau_sum_is_the_loop_over_the_rounds_in_closed_form() -> None:
+    """The planned inner steps of a run, Σ τ(r) over its rounds, without a loop over the rounds after the warm-up: equal to the loop
+    for every small schedule (rising, falling, constant; linear and geometric; before, during and after the warm-up)."""
+    for start in range(1, 14):
+        for end in (1, 2, 5, 13, 86):
+            for warmup in range(0, 11):
+                for kind in ("linear", "geometric"):
+                    for rounds in (0, 1, 2, warmup, warmup + 1, 17):
+                        looped = sum(tau_for_round(r, start, end, warmup, kind) for r in range(1, rounds + 1))
+                        assert tau_sum(rounds, start, end, warmup, kind) == looped, (rounds, start, end, warmup, kind)
+    assert TauSchedule(10, 50, 4).total(6) == 10 + 20 + 30 + 40 + 50 + 50
+    # 1 → 3 over W = 1000 rounds: τ = 1 for the first W/4 rounds, 2 for the next W/2, 3 for the last W/4 and after;
+    # summed over 10^12 rounds without a loop over them
+    assert TauSchedule(1, 3, 1000).total(10**12) == 250 * 1 + 500 * 2 + 250 * 3 + 3 * (10**12 - 1000)
+    with pytest.raises(ValueError, match="tau must be ≥ 1"):
+        tau_sum(3, 0, 5, 2)
+    with pytest.raises(ValueError, match="unknown tau schedule kind"):
+        tau_sum(3, 1, 5, 2, "cubic")
 
 
 # -- aggregation ------------------------------------------------------------------

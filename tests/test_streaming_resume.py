@@ -47,10 +47,11 @@ def _exchanges_logged(db_url: str, run_id: str) -> list[dict]:
 @pytest.mark.timeout(600)
 def test_streaming_run_killed_with_a_fragment_in_flight_resumes_to_the_same_model(tmp_path: Path) -> None:
     """Eager Streaming DiLoCo with 4-bit outer gradients and error feedback (every kind of state a datacenter keeps:
-    the inner AdamW, the data position, its own outer momentum, the updates in flight, the codec residuals): the
-    coordinator and everything it started are SIGKILLed after round 3's first exchange, while its result is on the
-    way and the second fragment's update is being computed; `crossdc resume` continues from the checkpoint of round
-    2 and ends with the weights of the in-process driver, each exchange logged once."""
+    the inner AdamW, the data position, its own outer momentum, the updates in flight, the codec residuals):
+    `crossdc run`'s process group is SIGKILLed after round 3's first exchange, while its result is on the way and
+    the second fragment's update is being computed, and everything the run started dies with it; `crossdc resume`
+    continues from the checkpoint of round 2 and ends with the weights of the in-process driver, each exchange logged
+    once."""
     config = tmp_path / "streaming.toml"
     # a step at 2% of its speed: an exchange every ~1 s, so the kill lands inside round 3
     config.write_text(_streaming_config(0.02, tmp_path / "checkpoints"))
@@ -60,10 +61,10 @@ def test_streaming_run_killed_with_a_fragment_in_flight_resumes_to_the_same_mode
     try:
         run_id = run_and_kill_when(
             config, db_url, runs, env, lambda run: any(e["round"] == 3 for e in _exchanges_logged(db_url, run)),
-            within_s=300, poll_s=0.1)
-        kill_processes_with_env(MARKER, str(tmp_path))
+            within_s=300, poll_s=0.1, marker=MARKER)
         logged = read_run(db_url, run_id)
         assert len(logged["rounds"]) == 2, "the kill was to land inside round 3"
+        assert logged["run"]["status"] == "running"  # nothing of the killed run recorded an end of its own
         assert {(e["round"], e["fragment"]) for e in _exchanges_logged(db_url, run_id)} >= {(3, 0)}
         assert [p.name for p in sorted((tmp_path / "checkpoints" / run_id).glob("round-*.ckpt"))] == ["round-000002.ckpt"]
 

@@ -28,7 +28,7 @@ import pytest
 from crossdc.experiment.links import LINK_PROFILES, LinkSpec
 from crossdc.experiment.processes import enter_network_namespace, is_running
 from crossdc.wan.ledger import LedgerReader
-from crossdc.wan.network import EmulatedNetwork, _process_start, sweep
+from crossdc.wan.network import EmulatedNetwork, owner_state, sweep
 
 pytestmark = pytest.mark.usefixtures("namespaces")  # skipped without namespaces, failed under CI (conftest)
 
@@ -44,7 +44,7 @@ SLOT_BASE = 200
 def state_root(tmp_path: Path) -> Path:
     root = tmp_path / "wan"
     root.mkdir()
-    mine = {"pid": os.getpid(), "pid_start": _process_start(os.getpid()), "network": "0.0.0.0/32", "namespaces": []}
+    mine = {**owner_state(os.getpid()), "network": "0.0.0.0/32", "namespaces": []}
     for slot in range(SLOT_BASE):
         (root / f"slot-{slot}.json").write_text(json.dumps(mine))
     return root

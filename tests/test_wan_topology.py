@@ -1,20 +1,25 @@
 """The emulated WAN's pure parts on exact cases: the topology (hops, paths), a hop's pacing and drops
 (HopState.admit), the HTTP-exchange labels of the delay line's ledgers (_Flows.label), and the delay line
-itself carrying packets between fake devices (Unix datagram sockets) at explicit times."""
+itself carrying packets between fake devices (Unix datagram sockets) at explicit times, and how a run's slot file
+names its owner (network.owner_state)."""
 
 from __future__ import annotations
 
+import os
 import random
 import socket
 import struct
+import subprocess
 from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 
 from crossdc.experiment.links import LINK_PROFILES, LinkSpec
+from crossdc.experiment.processes import process_start
 from crossdc.wan.delay_line import DelayLine, HopState, _Flows, data_bytes
 from crossdc.wan.ledger import LedgerReader, Transfer, ledger_line, payload_transfers, time_in_flight, within_exchanges
+from crossdc.wan.network import _owner_alive, owner_state
 from crossdc.wan.topology import COORDINATOR, MIN_QUEUE_PACKETS, Hop, build_topology, mesh_ledger
 
 TRANSOCEANIC = LINK_PROFILES["transoceanic"]
@@ -299,3 +304,20 @@ def test_the_delay_line_uses_a_mesh_hop_and_drops_what_it_cannot_route(tmp_path:
     line.release_due(60.0)
     assert line.unroutable == 2 and [_received(p) for p in devices] == [[], [], []]
     _close(line)
+
+
+def test_a_slot_file_names_its_owner_by_pid_and_start_time() -> None:
+    """The owner is this process by pid and start time (text, as slot files have always had it); a recycled pid
+    (another start time), a gone process or a malformed entry is not a live owner."""
+    me = owner_state(os.getpid())
+    assert me == {"pid": os.getpid(), "pid_start": str(process_start(os.getpid()))}
+    assert _owner_alive(me) and _owner_alive({**me, "network": "0.0.0.0/32", "namespaces": []})
+    assert not _owner_alive({**me, "pid_start": str(int(me["pid_start"]) + 1)})
+    for malformed in ({}, {"pid": os.getpid()}, {**me, "pid_start": None}, {**me, "pid": "me"}):
+        assert not _owner_alive(malformed), malformed
+    gone = subprocess.Popen(["sleep", "30"])
+    started = owner_state(gone.pid)
+    gone.kill()
+    gone.wait()
+    assert started["pid_start"] is not None and not _owner_alive(started)
+    assert owner_state(gone.pid) == {"pid": gone.pid, "pid_start": None}

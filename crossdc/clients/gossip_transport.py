@@ -50,7 +50,10 @@ Promises:
   (:meth:`~GossipTransport.offered_round`) and takes the newest replica (:meth:`~GossipTransport.fetch_replica`),
   each within ``timeout_s``, in a process of its own like an exchange;
 - the bytes of an exchange are its headers and payloads as sent (what gloo puts on the wire, less TCP/IP framing),
-  and its time in flight is measured from the group's creation to the last payload received.
+  and its time in flight is measured from the group's creation to the last payload received;
+- every process of the transport (the store, an exchange, a read of an offer) dies with the run's root
+  (:func:`crossdc.experiment.processes.die_with_run_root`, its first step: a process forked from the fork server
+  inherits no thread, so it starts its own watch), never living on to its timeout after a killed run.
 """
 
 from __future__ import annotations
@@ -73,6 +76,7 @@ import torch
 import torch.distributed as dist
 
 from crossdc.clients.gossip_replica import DELTA, FULL, GossipMessage
+from crossdc.experiment.processes import die_with_run_root
 
 log = logging.getLogger("crossdc.gossip")
 
@@ -328,6 +332,7 @@ def _reap(child: multiprocessing.process.BaseProcess) -> None:
 def _serve_store(connection: multiprocessing.connection.Connection, host: str, port: int, timeout_s: float) -> None:
     """The rendezvous store's process: hosts the store, says ("ready", None) (or ("error", reason)), then keeps
     the replica offered with each ("publish", round, payload) (the newest two rounds) until the parent goes."""
+    die_with_run_root()
     try:
         store = dist.TCPStore(host, port, None, True, timeout=timedelta(seconds=timeout_s), wait_for_workers=False)
     except Exception as err:  # noqa: BLE001 - the parent reports it
@@ -354,6 +359,7 @@ def _read_offer(connection: multiprocessing.connection.Connection, address: tupl
                 server_round: int | None) -> None:
     """The process that reads a neighbour's offer: the round it offers (`server_round` None; None if it offers
     none) or that round's replica as uint8 (None if gone), as ("done", value); a failure as ("error", reason)."""
+    die_with_run_root()
     try:
         store = _connect(address, timedelta(seconds=timeout_s))
         if server_round is None:
@@ -384,6 +390,7 @@ def _meet(connection: multiprocessing.connection.Connection, meeting: dict[str, 
     the parent what the neighbour holds ("holds"), takes the message to send (kind, version, base, payload; or
     None), and sends back the neighbour's ("done": its header, its payload or None, the seconds in flight); any
     failure as ("error", reason)."""
+    die_with_run_root()
     lock = threading.Lock()
 
     def say(word: tuple[str, Any]) -> None:

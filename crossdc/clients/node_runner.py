@@ -3,7 +3,8 @@
 `run_node` promises: the node service (crossdc.clients.node) and a Flower SuperNode whose node config names
 the datacenter and the service (so the ClientApp of every message reaches the run's persistent trainer) run
 until Ctrl-C/SIGTERM or until one of them exits; then both are stopped (the trainers with the service), and an
-unexpected exit is an error naming the process and its log.
+unexpected exit is an error naming the process and its log. The SuperNode keeps its pulse file
+(:func:`supernode_pulse`, fresh while the SuperLink accepts it) for :func:`node_health`.
 """
 
 from __future__ import annotations
@@ -14,7 +15,7 @@ from pathlib import Path
 
 from crossdc.clients import supernode
 from crossdc.clients.node import node_authkey, node_socket
-from crossdc.experiment.processes import ProcessGroup, flower_env, free_port
+from crossdc.experiment.processes import ProcessGroup, flower_env, free_port, run_root_env
 from crossdc.protocol import DATACENTER, NODE_AUTHKEY_FILE, NODE_SERVICE
 
 
@@ -23,8 +24,41 @@ class NodeFailed(RuntimeError):
 
 
 def node_env(state_dir: Path) -> dict[str, str]:
-    """Environment of the node's processes: Flower's, with the node's own FLWR_HOME."""
-    return flower_env(state_dir / "flwr-home")
+    """Environment of the node's processes: Flower's, with the node's own FLWR_HOME, and the SuperNode's pulse file;
+    this process is their root (every crossdc process of the node, the run trainers included, dies with it)."""
+    return {**flower_env(state_dir / "flwr-home"), supernode.PULSE_ENV: str(supernode_pulse(state_dir)), **run_root_env()}
+
+
+def supernode_pulse(state_dir: Path) -> Path:
+    """The file the node's SuperNode touches whenever the SuperLink accepts it (crossdc.clients.supernode.record_pulse)."""
+    return state_dir / "supernode.pulse"
+
+
+#: the SuperNode of a healthy node was accepted by the SuperLink this recently (an idle one pulls every fraction of a
+#: second; Flower's node heartbeat goes at least every 30 s while it waits for a ClientApp's reply)
+PULSE_MAX_AGE_S = 60.0
+
+
+def node_health(state_dir: Path, max_age_s: float = PULSE_MAX_AGE_S) -> str:
+    """What a healthy node shows, in one line: its node service answers an authenticated ping on its socket, and the
+    SuperLink accepted its SuperNode within `max_age_s`. NodeFailed saying what is wrong otherwise."""
+    from crossdc.clients.channel import TrainerFailed, TrainerUnavailable, call_trainer
+
+    authkey = state_dir / "authkey"
+    if not authkey.is_file():
+        raise NodeFailed(f"no node in {state_dir} (no authkey: `crossdc node start` has not run there)")
+    try:
+        answer = call_trainer(node_socket(state_dir), authkey.read_bytes(), {"op": "ping"}, connect_timeout_s=2.0)
+    except (TrainerUnavailable, TrainerFailed) as err:
+        raise NodeFailed(f"the node service does not answer: {err}") from None
+    pulse = supernode_pulse(state_dir)
+    try:
+        age = time.time() - pulse.stat().st_mtime
+    except FileNotFoundError:
+        raise NodeFailed(f"the SuperLink has not accepted the SuperNode yet (see {state_dir / 'logs' / 'supernode.log'})") from None
+    if age > max_age_s:
+        raise NodeFailed(f"the SuperLink last accepted the SuperNode {age:.0f} s ago (see {state_dir / 'logs' / 'supernode.log'})")
+    return f"node {answer.get('datacenter')}: node service answers; the SuperLink accepted the SuperNode {age:.0f} s ago"
 
 
 #: what flwr 1.42's SuperNode logs when the SuperLink refuses its key (its process then exits with code 1)
@@ -54,8 +88,9 @@ def exit_explanation(name: str, code: int | None, log_path: Path, auth_key: Path
         return (f"the SuperLink refused this datacenter's key {auth_key} (not enrolled, suspended or revoked; "
                 f"see `crossdc enroll`); supernode exited (code {code})")
     if name == "supernode" and auth_key is not None and code == 0:
-        return ("the SuperNode stopped on its own: the SuperLink no longer accepts this datacenter's key "
-                "(suspended or revoked?)")
+        return ("the SuperNode stopped on its own: the SuperLink no longer accepts this datacenter's key (suspended or "
+                "revoked? or the SuperLink lost its state: started again, the node comes back once the operator's API "
+                "service has registered the key again, within seconds)")
     return f"{name} exited (code {code})"
 
 
@@ -85,6 +120,7 @@ def run_node(superlink: str, datacenter: str, state_dir: Path, root_certificates
             if service.process.poll() is not None or time.monotonic() > deadline:
                 raise NodeFailed(f"the node service did not start; see {service.log_path}")
             time.sleep(0.1)
+        supernode_pulse(state_dir).unlink(missing_ok=True)  # a former SuperNode's
         processes.start("supernode", supernode_command(superlink, datacenter, state_dir, root_certificates, insecure, auth_key),
                         logs / "supernode.log", env=env)
         while True:

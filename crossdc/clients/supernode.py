@@ -22,6 +22,12 @@ Promises:
   only right after receiving a message, and sends whichever it finds first: a second reply to one message (a
   ClientApp's own beside the error reply the node stored when that ClientApp's task expired under load) took the
   place of the next message's, and a resumed run's hello went unanswered (:func:`_send_replies_left_behind`);
+- a SuperLink that does not answer (restarting, its host rebooting) is tried again at most
+  :data:`RECONNECT_MAX_WAIT_S` apart, where flwr 1.42's backoff grows to 20 s: a SuperLink back from a restart is
+  found within seconds (:func:`shorten_reconnect_wait`); the SuperNode never gives up (no ``--max-retries``);
+- with :data:`PULSE_ENV` set, the SuperNode touches that file whenever the SuperLink answered it as this node (a pull
+  of messages, or Flower's node heartbeat acknowledged), at most every :data:`PULSE_EVERY_S`: the file's age is how
+  long ago the SuperLink last accepted it (``crossdc node health`` reads it; :func:`record_pulse`);
 - :func:`patch_supernode_loop` refuses, with :class:`FlowerLoopChanged`, to patch a loop that is not the one this
   was written against (the sleeps it shortens are not the ones it finds), so an upgrade of flwr fails loudly
   rather than silently bringing the 3-second poll back or shortening a wait that means something else.
@@ -48,6 +54,7 @@ import ast
 import importlib
 import importlib.util
 import inspect
+import os
 import re
 import subprocess
 import sys
@@ -243,6 +250,69 @@ def _bound_instruction_pull(module: types.ModuleType, source: str) -> None:
     module.pull_objects = bounded_pull_objects  # type: ignore[attr-defined]
 
 
+#: the module whose retries of the Fleet API's calls back off, and the longest pause it knows (flwr 1.42.0)
+RETRY_MODULE = "flwr.supercore.retry.http_retry"
+KNOWN_MAX_RETRY_DELAY = 20
+#: the longest pause between two tries of a SuperLink that does not answer (flwr 1.42: 20 s)
+RECONNECT_MAX_WAIT_S = 5
+
+
+def shorten_reconnect_wait(module: types.ModuleType | None = None) -> None:
+    """Cap the backoff of `module`'s (default: flwr's HTTP retry module) retries at :data:`RECONNECT_MAX_WAIT_S`.
+    FlowerLoopChanged unless it makes its waits with ``exponential(max_delay=MAX_RETRY_DELAY)``, reading that name
+    at each call, and it is :data:`KNOWN_MAX_RETRY_DELAY`."""
+    if module is None:
+        module = importlib.import_module(RETRY_MODULE)
+    current = getattr(module, "MAX_RETRY_DELAY", None)
+    if ("lambda: exponential(max_delay=MAX_RETRY_DELAY)" not in inspect.getsource(module)
+            or current not in (KNOWN_MAX_RETRY_DELAY, RECONNECT_MAX_WAIT_S)):
+        raise FlowerLoopChanged(f"{module.__name__} no longer backs off with exponential(max_delay=MAX_RETRY_DELAY) up to "
+                                f"{KNOWN_MAX_RETRY_DELAY} s: review crossdc.clients.supernode before using this flwr version")
+    module.MAX_RETRY_DELAY = RECONNECT_MAX_WAIT_S  # type: ignore[attr-defined]
+
+
+#: the environment variable naming the SuperNode's pulse file (see :func:`record_pulse`); `crossdc node start` sets it
+PULSE_ENV = "CROSSDC_SUPERNODE_PULSE"
+#: the pulse file is written at most this often (an idle SuperNode pulls every IDLE_POLL_S)
+PULSE_EVERY_S = 1.0
+#: the calls of flwr's Fleet client whose answers are the pulse: the loop's pull, and Flower's node heartbeat (every
+#: 30 s or less, also while the loop waits for a ClientApp's reply)
+PULSE_CALLS = ("PullMessages", "SendNodeHeartbeat")
+
+
+def record_pulse(path: Path) -> None:
+    """Make the SuperNode touch `path` whenever the SuperLink answered one of :data:`PULSE_CALLS` for this node (a
+    pull it accepted; a heartbeat it acknowledged), at most every :data:`PULSE_EVERY_S`. Calls that fail (the
+    SuperLink away, this node's key refused) leave it alone, so its age is how long ago the SuperLink last accepted
+    this SuperNode. FlowerLoopChanged if flwr's Fleet client no longer makes those calls."""
+    from flwr.supernode.fleet_http_client import FleetHttpClient
+
+    last = [0.0]
+
+    def beat() -> None:
+        now = time.monotonic()
+        if now - last[0] >= PULSE_EVERY_S:
+            last[0] = now
+            path.write_text(f"{time.time():.3f}\n")
+
+    for name in PULSE_CALLS:
+        call = getattr(FleetHttpClient, name, None)
+        if call is None:
+            raise FlowerLoopChanged(f"flwr's FleetHttpClient has no {name}: review crossdc.clients.supernode's pulse "
+                                    "before using this flwr version")
+        if getattr(call, "pulse", False):
+            continue
+
+        def answered(self: Any, request: Any, *, _call: Callable[..., Any] = call) -> Any:
+            response = _call(self, request)
+            if getattr(response, "success", True):  # a heartbeat the SuperLink did not acknowledge is no pulse
+                beat()
+            return response
+
+        answered.pulse = True  # type: ignore[attr-defined]
+        setattr(FleetHttpClient, name, answered)
+
+
 #: Flower's processes crossdc starts in their place: the SuperNode starts the SuperExec by this name (in its loop
 #: module), the SuperExec a ClientApp by that one (in its subprocess executor)
 SUPEREXEC = "flower-superexec"
@@ -258,6 +328,8 @@ AS_OPTION = "--as"
 MODULE = "crossdc.clients.supernode"
 #: what the SuperExec's fork server imports once for every ClientApp it starts
 CLIENTAPP_PRELOAD = "crossdc.clients.clientapp_preload"
+#: the pid of the SuperExec that starts the fork server, in the fork server's environment (it dies with it)
+FORKSERVER_PARENT_ENV = "CROSSDC_FORKSERVER_PARENT"
 
 
 def command(process: str = "flower-supernode") -> list[str]:
@@ -284,12 +356,14 @@ class ForkServerLaunch:
     ``forkserver`` start method of :mod:`multiprocessing`, preloading :data:`CLIENTAPP_PRELOAD`): Flower's own
     ``flwr_clientapp`` runs in a new process per message, as under Flower's SuperExec, without paying its imports
     (1.7 s of CPU on the 2-core development machine, several seconds of wall time when four ClientApps start at once
-    beside the trainers). The server starts with the launcher, before the first message."""
+    beside the trainers). The server starts with the launcher, before the first message, and dies with this process
+    (SIGKILL from the kernel: :data:`FORKSERVER_PARENT_ENV` tells it which parent to die with)."""
 
     def __init__(self) -> None:
         import multiprocessing
         import multiprocessing.forkserver
 
+        os.environ[FORKSERVER_PARENT_ENV] = str(os.getpid())
         self.context = multiprocessing.get_context("forkserver")
         self.context.set_forkserver_preload([CLIENTAPP_PRELOAD])
         multiprocessing.forkserver.ensure_running()
@@ -375,7 +449,11 @@ def load_clientapp() -> Callable[[], Any]:
 
 
 def clientapp_main(argv: Sequence[str]) -> int:
-    """Flower's ``flwr-clientapp`` with arguments `argv` (see :func:`load_clientapp`)."""
+    """Flower's ``flwr-clientapp`` with arguments `argv` (see :func:`load_clientapp`), in a process that dies with
+    the run's root (a child of the fork server has no watch of its own until it starts one here)."""
+    from crossdc.experiment.processes import die_with_run_root
+
+    die_with_run_root()
     flwr_clientapp = load_clientapp()
     sys.argv = [CLIENTAPP, *argv]
     result = flwr_clientapp()
@@ -384,7 +462,12 @@ def clientapp_main(argv: Sequence[str]) -> int:
 
 def main() -> None:
     """``flower-supernode`` with the shorter waits (and its SuperExec started as crossdc's); with ``--as
-    flower-superexec`` or ``--as flwr-clientapp`` first, that process of Flower's instead."""
+    flower-superexec`` or ``--as flwr-clientapp`` first, that process of Flower's instead. Each dies at once with the
+    run's root (crossdc.experiment.processes.die_with_run_root), where Flower's own watch of a parent stops it
+    gracefully, seconds after that parent is gone, if its graceful exit ends at all."""
+    from crossdc.experiment.processes import die_with_run_root
+
+    die_with_run_root()
     args = sys.argv[1:]
     if args[:1] == [AS_OPTION]:
         process, rest = (args[1] if len(args) > 1 else ""), args[2:]
@@ -399,6 +482,9 @@ def main() -> None:
         sys.exit(f"{AS_OPTION} takes {SUPEREXEC} or {CLIENTAPP}, not {process!r}")
     patch_supernode_loop()
     patch_launch(importlib.import_module(LOOP_MODULE), SUPEREXEC, "source")
+    shorten_reconnect_wait()
+    if os.environ.get(PULSE_ENV):
+        record_pulse(Path(os.environ[PULSE_ENV]))
     from flwr.supernode.cli import flower_supernode
 
     sys.argv[0] = "flower-supernode"

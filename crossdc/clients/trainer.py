@@ -58,7 +58,7 @@ from crossdc.compression.wire import CodecError
 from crossdc.deployment.heartbeat import BEATS_PER_TIMEOUT, HeartbeatSender, Target
 from crossdc.experiment.builders import datacenter_seed, initial_model, initial_weights
 from crossdc.experiment.config import ExperimentConfig, inner_steps_planned, parse_config
-from crossdc.experiment.processes import die_with_parent
+from crossdc.experiment.processes import die_with_parent, die_with_run_root
 from crossdc.experiment.rundir import (
     SETTINGS_FAULT_INJECTION,
     SETTINGS_GOSSIP_ADDRESSES,
@@ -616,6 +616,7 @@ def serve(run_dir: RunDir, datacenter: str) -> None:
 
 
 def main(argv: list[str] | None = None) -> None:
+    die_with_run_root()  # started by `crossdc run` or by a node service: dies with the run's root either way
     parser = argparse.ArgumentParser(description="crossdc persistent local trainer of one datacenter")
     parser.add_argument("--run-dir", required=True)
     parser.add_argument("--datacenter", required=True)

@@ -26,6 +26,7 @@ from crossdc.clients.local_training import LocalTrainer, StepsResult
 from crossdc.clients.state_store import DatacenterStateStore
 from crossdc.experiment.builders import build_strategy, build_workload, datacenter_seed
 from crossdc.experiment.config import inner_steps_planned, parse_config
+from crossdc.experiment.processes import die_with_run_root
 from crossdc.experiment.rundir import RunDir
 from crossdc.strategies.base import Strategy
 
@@ -123,6 +124,7 @@ class GroupTrainer:
 
 
 def main(argv: list[str] | None = None) -> None:
+    die_with_run_root()
     parser = argparse.ArgumentParser(description="crossdc local worker (a non-zero rank of a datacenter's group)")
     parser.add_argument("--run-dir", required=True)
     parser.add_argument("--datacenter", required=True)

@@ -357,11 +357,12 @@ class DatabaseHealth(BaseModel):
 
 
 class Health(BaseModel):
-    """``ok`` when the database answers and holds crossdc's schema, else ``degraded`` (and HTTP 503)."""
+    """``ok`` when the database answers and holds crossdc's schema, else ``degraded`` (and HTTP 503). With locked
+    reads, only a caller with a read or admin token (or dashboard session) gets ``detail`` and ``database``."""
 
     status: Literal["ok", "degraded"]
-    detail: str | None
-    database: DatabaseHealth
+    detail: str | None = None
+    database: DatabaseHealth | None = None
 
 
 # ------------------------------------------------------------ dependencies
@@ -422,7 +423,10 @@ _503 = {503: {"model": ErrorBody, "description": "The database does not answer."
 @router.get("/api/health", response_model=Health, responses={503: {"model": Health, "description": "Degraded."}},
             tags=["service"])
 def health(request: Request) -> JSONResponse:
-    """Whether the service can read the run log: ``ok``, or ``degraded`` with HTTP 503 and the reason."""
+    """Whether the service can read the run log: ``ok``, or ``degraded`` with HTTP 503 and the reason. Open even with
+    locked reads, where it tells the reason and the database (its masked URL, errors) only to a reader."""
+    from crossdc.dashboard.auth import may_read
+
     engine = _engine(request)
     database: dict[str, Any] = {"url": safe_url(engine.url), "backend": engine.dialect.name, "answers": False,
                                 "schema_revision": None, "schema_head": _schema_head(), "latency_ms": None, "error": None}
@@ -437,7 +441,8 @@ def health(request: Request) -> JSONResponse:
     elif database["schema_revision"] is None:
         detail = "the database has no crossdc schema; run `crossdc db upgrade --db URL` (or a run) first"
     body = Health(status="ok" if detail is None else "degraded", detail=detail, database=DatabaseHealth(**database))
-    return JSONResponse(body.model_dump(mode="json"), status_code=200 if detail is None else 503)
+    shown = body.model_dump(mode="json") if may_read(request) else {"status": body.status}
+    return JSONResponse(shown, status_code=200 if detail is None else 503)
 
 
 @functools.lru_cache(maxsize=1)

@@ -34,12 +34,13 @@ def create_app(db_url: str | None = None, *, engine: Engine | None = None, lock_
                standing_federation: StandingFederation | None = None) -> FastAPI:
     """The API + dashboard app over the run log at `db_url` (resolved as the CLI does), or over `engine`.
 
-    `lock_reads`: every read (API, /metrics, pages) needs a token too. `superlink_control`: the SuperLink that
+    `lock_reads`: every read (API, /metrics, pages) needs a read or admin token too: a bearer token, or for the
+    pages and the API the session cookie of a login at ``/login`` (see :mod:`crossdc.dashboard.auth`);
+    ``/api/health`` stays open, and says only ``ok`` or ``degraded`` to others. `superlink_control`: the SuperLink that
     enrollments register keys with (without it, enrollment answers 503). `standing_federation`: where
     ``POST /api/runs`` submits runs (without it, submission answers 503).
     """
-    from crossdc.dashboard import api, enrollment, pages, run_control
-    from crossdc.dashboard.auth import read_access
+    from crossdc.dashboard import api, auth, enrollment, pages, run_control
 
     app = FastAPI(title="crossdc", description="Runs, rounds and datacenters of crossdc's SQL run log.", version="1",
                   docs_url=None, redoc_url=None)
@@ -48,10 +49,11 @@ def create_app(db_url: str | None = None, *, engine: Engine | None = None, lock_
     app.state.superlink_control = superlink_control
     app.state.standing_federation = standing_federation
     api.install_error_handlers(app)
-    app.include_router(api.router, dependencies=[Depends(read_access)])
+    app.include_router(api.router, dependencies=[Depends(auth.read_access)])
     app.include_router(enrollment.router)
     app.include_router(run_control.router)
-    app.include_router(pages.router, dependencies=[Depends(read_access)])
+    app.include_router(pages.router, dependencies=[Depends(auth.page_access)])
+    auth.install(app)
     app.mount("/static/swagger-ui", StaticFiles(directory=swagger_ui_bundle.swagger_ui_path), name="swagger-ui")
     app.mount("/static", StaticFiles(directory=STATIC_DIR), name="static")
 

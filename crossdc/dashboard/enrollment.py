@@ -11,17 +11,26 @@ Promises, for every route here:
 * a suspended datacenter comes back by enrolling again with a new key (Flower never registers an unregistered key
   again); a revoked one never comes back under its name;
 * a service started without a SuperLink (``crossdc serve`` without ``--superlink-control``) answers 503 to what
-  needs one.
+  needs one;
+* while a service with a SuperLink serves, it reconciles at start and every :data:`RECONCILE_INTERVAL_S`
+  (:func:`reconcile`): an active datacenter whose node the SuperLink does not know at all (a SuperLink whose state was
+  lost: started again without its ``--database``, or with a new one) has its key registered again, its new
+  ``node_id`` recorded and a ``reconcile`` row audited; its SuperNode, refused under its old node id, comes back
+  under the new one when it starts again. A node the SuperLink knows, whatever its status, is left alone.
 """
 
 from __future__ import annotations
 
+import contextlib
+import logging
+import threading
+from collections.abc import AsyncIterator
 from datetime import datetime
 from typing import Annotated, Any
 
-from fastapi import APIRouter, HTTPException, Path, Query, Request
+from fastapi import APIRouter, FastAPI, HTTPException, Path, Query, Request
 from pydantic import BaseModel, ConfigDict, Field, field_validator
-from sqlalchemy import Connection, exc, insert, select, update
+from sqlalchemy import Connection, Engine, exc, insert, select, update
 
 from crossdc.dashboard import queries
 from crossdc.dashboard.api import DatacenterInfo, ErrorBody, _503
@@ -30,7 +39,98 @@ from crossdc.db.models import DATACENTERS
 from crossdc.db.security import TokenIdentity, audit_entries, record_audit
 from crossdc.deployment.superlink_control import ControlError, PublicKeyError, SuperLinkControl, check_public_key
 
-router = APIRouter(tags=["datacenters"])
+log = logging.getLogger("crossdc.enrollment")
+
+#: how often a serving API service checks that the SuperLink knows every active datacenter's node (see reconcile)
+RECONCILE_INTERVAL_S = 10.0
+#: the audit log's action for a key registered again by reconciliation
+RECONCILE_ACTION = "reconcile"
+
+
+def reconcile(engine: Engine, control: SuperLinkControl) -> list[dict[str, Any]]:
+    """Register again at the SuperLink the key of every active datacenter whose node it does not know at all (its state
+    was lost), record the node id Flower gave it and audit it (``reconcile``, with the old and new node ids); returns
+    what was re-registered (name, old and new node id). A row changed meanwhile (suspended, revoked, enrolled again)
+    keeps its change and the new registration is undone. A key the SuperLink refuses is logged and tried again next
+    time. ControlError if the SuperLink does not answer the list of its nodes."""
+    with engine.connect() as conn:  # the rows first: a datacenter enrolled after this is not in them
+        rows = conn.execute(select(DATACENTERS.c.name, DATACENTERS.c.public_key, DATACENTERS.c.node_id).where(
+            DATACENTERS.c.status == "active", DATACENTERS.c.public_key.is_not(None))).all()
+    if not rows:
+        return []
+    known = control.nodes()  # every node it has, unregistered ones included: those were cut off on purpose
+    done = []
+    for name, public_key, old_node_id in rows:
+        if old_node_id is not None and old_node_id.isdigit() and int(old_node_id) in known:
+            continue
+        try:
+            node_id = control.register(public_key, name)
+        except ControlError as err:
+            log.warning("reconcile: the SuperLink does not know datacenter %s's node %s and refused its key: %s",
+                        name, old_node_id, err)
+            continue
+        same_node = (DATACENTERS.c.node_id == old_node_id if old_node_id is not None else DATACENTERS.c.node_id.is_(None))
+        with engine.begin() as conn:
+            changed = conn.execute(update(DATACENTERS).where(
+                DATACENTERS.c.name == name, DATACENTERS.c.status == "active", DATACENTERS.c.public_key == public_key,
+                same_node).values(node_id=str(node_id))).rowcount
+            if changed == 1:
+                record_audit(conn, RECONCILE_ACTION, "ok", actor=None, target=name, detail={
+                    "node_id": str(node_id), "old_node_id": old_node_id,
+                    "reason": "the SuperLink did not know the node: its key was registered again"})
+        if changed != 1:
+            with contextlib.suppress(ControlError):
+                control.unregister(node_id)
+            continue
+        log.warning("reconcile: datacenter %s was unknown to the SuperLink; its key is registered again as node %s "
+                    "(was %s)", name, node_id, old_node_id)
+        done.append({"name": name, "old_node_id": old_node_id, "node_id": str(node_id)})
+    return done
+
+
+class Reconciler:
+    """Runs :func:`reconcile` at once and then every `interval_s` from a daemon thread until stopped; a SuperLink
+    or database that does not answer is logged and tried again at the next turn."""
+
+    def __init__(self, engine: Engine, control: SuperLinkControl, interval_s: float = RECONCILE_INTERVAL_S) -> None:
+        self.engine, self.control, self.interval_s = engine, control, interval_s
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="crossdc-reconcile", daemon=True)
+
+    def start(self) -> Reconciler:
+        self._thread.start()
+        return self
+
+    def _run(self) -> None:
+        while not self._stop.is_set():
+            try:
+                reconcile(self.engine, self.control)
+            except (ControlError, exc.SQLAlchemyError) as err:
+                log.info("reconcile: not this time: %s", str(err).splitlines()[0] if str(err) else type(err).__name__)
+            except Exception:  # never let one bad turn end reconciliation
+                log.exception("reconcile failed")
+            self._stop.wait(self.interval_s)
+
+    def stop(self) -> None:
+        self._stop.set()
+        self._thread.join(timeout=10)
+
+
+@contextlib.asynccontextmanager
+async def _reconcile_while_serving(app: FastAPI) -> AsyncIterator[None]:
+    """The router's lifespan: a :class:`Reconciler` runs while a service with a SuperLink serves (every
+    ``app.state.reconcile_interval_s`` if set, else :data:`RECONCILE_INTERVAL_S`)."""
+    control: SuperLinkControl | None = getattr(app.state, "superlink_control", None)
+    interval_s = float(getattr(app.state, "reconcile_interval_s", RECONCILE_INTERVAL_S))
+    reconciler = Reconciler(app.state.engine, control, interval_s).start() if control is not None else None
+    try:
+        yield
+    finally:
+        if reconciler is not None:
+            reconciler.stop()
+
+
+router = APIRouter(tags=["datacenters"], lifespan=_reconcile_while_serving)
 
 NAME_PATTERN = r"^[A-Za-z0-9][A-Za-z0-9._-]{0,127}$"
 DatacenterName = Annotated[str, Path(pattern=NAME_PATTERN, description="The datacenter's name.")]
@@ -72,6 +172,9 @@ class AuditEntry(BaseModel):
     target: str | None
     client: str | None
     detail: Any | None
+    count: int = Field(description="How many acts the row stands for: 1, or the refusals of callers without a live "
+                                   "token from one client, for one route and reason, in one window.")
+    last_at: datetime | None = Field(description="The last of an aggregated row's refusals (null on other rows).")
 
 
 def _control(request: Request) -> SuperLinkControl:

@@ -12,6 +12,8 @@ Promises:
   indexes the other orders need), whatever the size of the run.
 * :func:`effective_status` is the one place that decides that a ``running`` run whose process died is
   ``interrupted``; it is pure, so the pages reuse it.
+* A run's stored config is parsed once per process, not once per request (:data:`LINK_PATHS`, a bounded cache keyed
+  by the run's id and the config's digest): a poller of a run's link totals costs a SQL read, never a parse.
 
 Every query function takes an open :class:`~sqlalchemy.Connection`. Text arguments that no row can hold (a NUL
 character, text that is not valid Unicode, ids longer than the column) simply match nothing.
@@ -19,9 +21,13 @@ character, text that is not valid Unicode, ids longer than the column) simply ma
 
 from __future__ import annotations
 
+import hashlib
+import json
 import statistics
+import threading
 import time
-from collections.abc import Iterable, Mapping
+from collections import OrderedDict
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
 from datetime import datetime
 from typing import Any
@@ -240,7 +246,7 @@ def link_totals(conn: Connection, run_id: str) -> dict[str, Any]:
     config = config_row[0] if config_row is not None and isinstance(config_row[0], dict) else {}
     configured = run_datacenters({"config": config})
     named = sorted({name for pair in pairs for name in pair} - set(configured))
-    paths = config_link_paths(config)
+    paths = LINK_PATHS.get(run_id, config)
     items = []
     for (a, b), pair in sorted(pairs.items()):
         route, rtt_ms = paths.get((a, b), (None, None))
@@ -264,6 +270,39 @@ def config_link_paths(config: Mapping[str, Any]) -> dict[tuple[str, str], tuple[
         return {}
     return {(a, b) if a < b else (b, a): ("direct" if parsed.mesh_link(a, b) is not None else "coordinator", rtt)
             for (a, b), rtt in datacenter_rtts(parsed).items()}
+
+
+class ParsedConfigCache:
+    """What `derive` makes of a run's stored config, kept for the newest `size` (run id, config) pairs used: the
+    config is parsed once, then served from memory while its text is unchanged. Thread-safe (the API answers from a
+    thread pool); `parses` counts the calls of `derive`. Callers must not change what :meth:`get` returns."""
+
+    def __init__(self, derive: Callable[[Mapping[str, Any]], Any], size: int = 256) -> None:
+        self.derive, self.size, self.parses = derive, size, 0
+        self._entries: OrderedDict[tuple[str, str], Any] = OrderedDict()
+        self._lock = threading.Lock()
+
+    def get(self, run_id: str, config: Mapping[str, Any]) -> Any:
+        """`derive(config)`, from the cache when the run's config is the one derived before (by SHA-256 of its
+        canonical JSON, so the cache holds no config text)."""
+        text = json.dumps(config, sort_keys=True, default=str, allow_nan=True)
+        key = (run_id, hashlib.sha256(text.encode("utf-8", "surrogatepass")).hexdigest())
+        with self._lock:
+            if key in self._entries:
+                self._entries.move_to_end(key)
+                return self._entries[key]
+        value = self.derive(config)  # outside the lock: two first requests may both derive; the result is the same
+        with self._lock:
+            self.parses += 1
+            self._entries[key] = value
+            self._entries.move_to_end(key)
+            while len(self._entries) > self.size:
+                self._entries.popitem(last=False)
+        return value
+
+
+#: each run's :func:`config_link_paths`, parsed once per (run, config) while the process serves
+LINK_PATHS = ParsedConfigCache(config_link_paths)
 
 
 def has_gossip_rows(conn: Connection, run_id: str) -> bool:

@@ -5,6 +5,8 @@ Promises, for every route here:
 * an ``admin`` token is needed (:mod:`crossdc.dashboard.auth`): none, or an unknown one, answers 401; another role 403;
 * ``POST /api/runs`` validates the config exactly as ``crossdc run --superlink`` does: a config the user must fix
   answers 422 with the same one-line message (naming the key or parameter) and records nothing but the audit row;
+  so does one whose ``checkpoint.dir`` leaves the service's checkpoint roots (``crossdc serve --checkpoint-root``), or
+  that names a datacenter not enrolled and active here (the line names each, with its state);
   a valid one is submitted to the SuperLink the service was started with (``crossdc serve --superlink``) and
   answers 201 with the run's id once Flower has accepted it; a SuperLink that refuses or does not answer gives 502
   (the run, if it was recorded, is recorded as failed);
@@ -93,12 +95,14 @@ def _one_line(err: BaseException) -> str:
 def submit_run(request: Request, body: RunSubmission, who: Admin) -> dict[str, Any]:
     """Submit an experiment config to the standing federation; the run goes on after the answer."""
     from crossdc.deployment.superlink_control import ControlError
-    from crossdc.orchestration.submission import CONFIG_ERRORS
+    from crossdc.orchestration.submission import CONFIG_ERRORS, datacenter_states
 
     action = "submit-run"
     federation = _federation(request, action, who, None)
+    with request.app.state.engine.connect() as conn:
+        datacenters = datacenter_states(conn)
     try:
-        config = federation.check(body.config)
+        config = federation.check(body.config, datacenters)
     except CONFIG_ERRORS as err:
         raise refuse(request, action, who, None, 422, _one_line(err)) from None
     try:

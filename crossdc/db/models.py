@@ -364,13 +364,33 @@ class ApiToken(Base):
     created_at: Mapped[datetime] = mapped_column(DateTime(timezone=True))
     revoked_at: Mapped[datetime | None] = mapped_column(DateTime(timezone=True))
     last_used_at: Mapped[datetime | None] = mapped_column(DateTime(timezone=True))
+    # revision 0012: refused from then on (None: never expires)
+    expires_at: Mapped[datetime | None] = mapped_column(DateTime(timezone=True))
+
+
+class ApiSession(Base):
+    """A dashboard login (revision 0012): a browser's session cookie, opened with a read or admin token. Only the
+    cookie's SHA-256 is stored; it lets through reads only while its token is live (not revoked, not expired)."""
+
+    __tablename__ = "api_sessions"
+    __table_args__ = (UniqueConstraint("session_hash"),)
+
+    id: Mapped[int] = mapped_column(_BigId, primary_key=True, autoincrement=True)
+    token_id: Mapped[int] = mapped_column(Integer, ForeignKey("api_tokens.id", ondelete="CASCADE"), index=True)
+    session_hash: Mapped[str] = mapped_column(String(64))
+    created_at: Mapped[datetime] = mapped_column(DateTime(timezone=True))
+    expires_at: Mapped[datetime] = mapped_column(DateTime(timezone=True))
 
 
 class AuditEntry(Base):
-    """One security-relevant act: an enrollment, a suspension or revocation, a token made, a refused attempt."""
+    """One security-relevant act: an enrollment, a suspension or revocation, a token made, a refused attempt.
+
+    Refusals of callers without a live token are aggregated (revision 0012): one row per client address, action,
+    token name, status and reason per window, ``count`` of them from ``at`` to ``last_at``, found again by its
+    ``window_key``; every other row is one act (``count`` 1, no ``window_key``)."""
 
     __tablename__ = "audit_log"
-    __table_args__ = (CheckConstraint(_in("outcome", AUDIT_OUTCOMES), name="outcome"),)
+    __table_args__ = (CheckConstraint(_in("outcome", AUDIT_OUTCOMES), name="outcome"), UniqueConstraint("window_key"))
 
     id: Mapped[int] = mapped_column(_BigId, primary_key=True, autoincrement=True)
     at: Mapped[datetime] = mapped_column(DateTime(timezone=True), index=True)
@@ -380,6 +400,9 @@ class AuditEntry(Base):
     target: Mapped[str | None] = mapped_column(String(128))  # e.g. the datacenter's name
     client: Mapped[str | None] = mapped_column(String(128))  # the caller's address
     detail: Mapped[Any | None] = mapped_column(JSON)
+    count: Mapped[int] = mapped_column(Integer, server_default="1")  # how many acts the row stands for
+    last_at: Mapped[datetime | None] = mapped_column(DateTime(timezone=True))  # the last of them (aggregated rows)
+    window_key: Mapped[str | None] = mapped_column(String(64))  # an aggregated row's key (its window included)
 
 
 class Checkpoint(Base):
@@ -398,6 +421,7 @@ metadata = Base.metadata
 __all__ = [
     "ASYNC_UPDATE_STATUSES",
     "AUDIT_OUTCOMES",
+    "ApiSession",
     "ApiToken",
     "AuditEntry",
     "BASELINES",
@@ -437,4 +461,5 @@ TIMELINE_SPANS: Table = TimelineSpan.__table__  # type: ignore[assignment]
 LINK_ROUNDS: Table = LinkRound.__table__  # type: ignore[assignment]
 PIPELINE_STAGES: Table = PipelineStage.__table__  # type: ignore[assignment]
 API_TOKENS: Table = ApiToken.__table__  # type: ignore[assignment]
+API_SESSIONS: Table = ApiSession.__table__  # type: ignore[assignment]
 AUDIT_LOG: Table = AuditEntry.__table__  # type: ignore[assignment]

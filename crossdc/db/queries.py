@@ -157,12 +157,32 @@ def list_datacenters(bind: Bind) -> list[dict[str, Any]]:
     return _rows(bind, select(_DATACENTERS).order_by(_DATACENTERS.c.name))
 
 
+def enrolled_identities(bind: Bind) -> list[dict[str, Any]]:
+    """``name``, ``status`` and ``node_id`` (Flower's node id of the enrolled key, as text; None when not
+    registered) of every ``datacenters`` row, by name: who each SuperNode of a standing federation is."""
+    columns = (_DATACENTERS.c.name, _DATACENTERS.c.status, _DATACENTERS.c.node_id)
+    return _rows(bind, select(*columns).order_by(_DATACENTERS.c.name))
+
+
+def enrolled_identities_at(db_url: str) -> list[dict[str, Any]]:
+    """:func:`enrolled_identities` of the database at `db_url` (read over an engine made for it, then let go)."""
+    from crossdc.db.engine import make_engine
+
+    engine = make_engine(db_url)
+    try:
+        return enrolled_identities(engine)
+    finally:
+        engine.dispose()
+
+
 def parse_flower_run_ids(text: str | None) -> list[int]:
     """``runs.flower_run_ids`` ("123,456") as integers, oldest first."""
     return [int(part) for part in (text or "").split(",") if part.strip()]
 
 
 __all__ = [
+    "enrolled_identities",
+    "enrolled_identities_at",
     "get_run",
     "get_run_at",
     "list_async_updates",

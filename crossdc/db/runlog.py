@@ -40,17 +40,18 @@ import math
 import threading
 import time
 from collections import deque
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from datetime import datetime
 from typing import Any
 
-from sqlalchemy import Connection, Table, and_, delete, exc, insert, select, update
+from sqlalchemy import ColumnElement, Connection, Table, and_, delete, exc, insert, select, update
 from sqlalchemy.dialects import postgresql, sqlite
 
 from crossdc.db.engine import make_engine, safe_url
 from crossdc.db.errors import DatabaseUnavailable
 from crossdc.db.models import (
     ASYNC_UPDATE_STATUSES,
+    AUDIT_OUTCOMES,
     BASELINES,
     DATACENTER_ROUND_STATUSES,
     MICROBATCH_SPAN_KINDS,
@@ -69,6 +70,7 @@ from crossdc.db.models import RUNS as _RUNS
 from crossdc.db.models import TIMELINE_SPANS as _SPANS
 from crossdc.db.queries import utcnow
 from crossdc.db.records import DatacenterRoundRecord, PipelineStageRecord, TimelineSpanRecord
+from crossdc.db.security import record_audit
 from crossdc.db.values import json_safe, non_finite_text
 
 log = logging.getLogger(__name__)
@@ -180,8 +182,10 @@ def _upsert(
     values: Mapping[str, Any],
     keys: tuple[str, ...],
     update_cols: tuple[str, ...] | None = None,
+    update_where: ColumnElement[bool] | None = None,
 ) -> None:
-    """INSERT, or UPDATE ``update_cols`` (default: every non-key column given) on a key conflict."""
+    """INSERT, or UPDATE ``update_cols`` (default: every non-key column given) on a key conflict; with
+    `update_where`, only a conflicting row that meets it is updated (the others are left as they are)."""
     if update_cols is None:
         update_cols = tuple(c for c in values if c not in keys)
     dialect = conn.dialect.name
@@ -189,7 +193,7 @@ def _upsert(
         ins = (sqlite.insert if dialect == "sqlite" else postgresql.insert)(table).values(**values)
         if update_cols:
             stmt = ins.on_conflict_do_update(
-                index_elements=list(keys), set_={c: ins.excluded[c] for c in update_cols}
+                index_elements=list(keys), set_={c: ins.excluded[c] for c in update_cols}, where=update_where
             )
         else:
             stmt = ins.on_conflict_do_nothing(index_elements=list(keys))
@@ -198,10 +202,11 @@ def _upsert(
     # Portable fallback for other backends (one writer per run, so no race to worry about).
     where = and_(*(table.c[k] == values[k] for k in keys))
     if update_cols:
-        res = conn.execute(update(table).where(where).values({c: values[c] for c in update_cols}))
+        condition = where if update_where is None else and_(where, update_where)
+        res = conn.execute(update(table).where(condition).values({c: values[c] for c in update_cols}))
         if res.rowcount:
             return
-    elif conn.execute(select(table.c[keys[0]]).where(where)).first() is not None:
+    if conn.execute(select(table.c[keys[0]]).where(where)).first() is not None:
         return
     conn.execute(insert(table).values(**values))
 
@@ -284,18 +289,51 @@ def _op_event(conn: Connection, v: dict[str, Any]) -> None:
 
 
 def _op_touch_datacenter(conn: Connection, v: dict[str, Any]) -> None:
+    """A new name is inserted active; an active one is updated; a suspended or revoked one is left alone (its key is
+    unregistered: nothing a run sees is that datacenter)."""
     values = {**v, "status": "active", "enrolled_at": v["last_seen"]}
     optional = ("region", "gpus", "link_bandwidth_mbps", "link_rtt_ms")
     update_cols = ("last_seen",) + tuple(c for c in optional if v.get(c) is not None)
-    _upsert(conn, _DATACENTERS, values, ("name",), update_cols)
+    _upsert(conn, _DATACENTERS, values, ("name",), update_cols, update_where=_DATACENTERS.c.status == "active")
+
+
+def _op_audit(conn: Connection, v: dict[str, Any]) -> None:
+    record_audit(conn, v["action"], v["outcome"], actor=v["actor"], target=v["target"], client=v["client"],
+                 detail=v["detail"])
 
 
 def _op_heartbeat(conn: Connection, v: dict[str, Any]) -> None:
     conn.execute(update(_RUNS).where(_RUNS.c.id == v["run_id"]).values(last_heartbeat=v["at"]))
 
 
+#: the event with which a resume announces the attempt it starts, before it starts it (detail ``{"attempt": N}``;
+#: logged by crossdc.orchestration.local_run): from then on an end recorded by an earlier attempt is ignored
+RESUME_REQUESTED = "resume-requested"
+#: the event that says an end recorded by an attempt older than the newest was ignored
+STALE_END_IGNORED = "stale-end-ignored"
+
+
+def newest_attempt(details: Iterable[Any]) -> int:
+    """The newest attempt named (``{"attempt": N}``, N an int) by the details of a run's RESUME_REQUESTED events;
+    1 (the first attempt) if none names one."""
+    return max([1, *(d["attempt"] for d in details if isinstance(d, Mapping) and type(d.get("attempt")) is int)])
+
+
 def _op_finish_run(conn: Connection, v: dict[str, Any]) -> None:
-    """The first final status wins: a run that already ended keeps its status, error and result."""
+    """The first final status wins: a run that already ended keeps its status, error and result. An end recorded by
+    an attempt (``v["attempt"]``) older than the newest one requested is ignored, with a STALE_END_IGNORED event."""
+    if v["attempt"] is not None:
+        # the run's row locked first (PostgreSQL): a resume committing meanwhile is seen, or waits for this end
+        conn.execute(select(_RUNS.c.id).where(_RUNS.c.id == v["run_id"]).with_for_update())
+        newest = newest_attempt(conn.execute(select(_EVENTS.c.detail).where(
+            _EVENTS.c.run_id == v["run_id"], _EVENTS.c.kind == RESUME_REQUESTED)).scalars())
+        if v["attempt"] < newest:
+            log.warning("run %s: attempt %d's end (%s) ignored: attempt %d runs now", v["run_id"], v["attempt"],
+                        v["status"], newest)
+            conn.execute(insert(_EVENTS).values(
+                run_id=v["run_id"], at=v["at"], kind=STALE_END_IGNORED,
+                detail={"attempt": v["attempt"], "newest_attempt": newest, "status": v["status"], "error": v["error"]}))
+            return
     res = conn.execute(
         update(_RUNS)
         .where(_RUNS.c.id == v["run_id"], _RUNS.c.status == "running")
@@ -670,7 +708,8 @@ class RunLog:
         link_bandwidth_mbps: float | None = None,
         link_rtt_ms: float | None = None,
     ) -> None:
-        """Insert the datacenter (status ``active``) or update it; ``last_seen`` = now.
+        """Insert the datacenter (status ``active``) or update it; ``last_seen`` = now. A suspended or revoked
+        datacenter is left alone: its key is unregistered, so no node a run sees is it.
 
         Fields given as ``None`` leave the stored value alone.
         """
@@ -687,6 +726,31 @@ class RunLog:
             },
         )
 
+    def audit(
+        self,
+        *,
+        action: str,
+        outcome: str,
+        actor: str | None = None,
+        target: str | None = None,
+        client: str | None = None,
+        detail: dict[str, Any] | str | None = None,
+    ) -> None:
+        """Append one ``audit_log`` row (:func:`crossdc.db.security.record_audit`), in order with this log's other
+        records and, like them, kept through an outage: what a run refused (a node that claimed a datacenter its key
+        is not enrolled as). The row's ``at`` is when it is written (record_audit's clock), normally within the
+        writer's batch of the call. ``actor``, ``target`` and ``client`` are at most 128 characters, ``action`` 64."""
+        if detail is not None and not isinstance(detail, (str, Mapping)):
+            raise TypeError(f"detail must be a dict, a string or None, got {type(detail).__name__}")
+        values = {"action": _text("action", action), "outcome": _choice("outcome", outcome, AUDIT_OUTCOMES),
+                  "actor": _text("actor", actor, nullable=True), "target": _text("target", target, nullable=True),
+                  "client": _text("client", client, nullable=True),
+                  "detail": _json("detail", dict(detail) if isinstance(detail, Mapping) else detail)}
+        for name, limit in (("action", 64), ("actor", 128), ("target", 128), ("client", 128)):
+            if values[name] is not None and len(values[name]) > limit:
+                raise ValueError(f"{name} must be at most {limit} characters, got {len(values[name])}")
+        self._put("audit", _op_audit, values)
+
     def heartbeat(self, *, run_id: str) -> None:
         """Set the run's ``last_heartbeat`` to now (a stale heartbeat marks a dead run)."""
         self._put("heartbeat", _op_heartbeat, {"run_id": _text("run_id", run_id), "at": utcnow()})
@@ -698,11 +762,15 @@ class RunLog:
         status: str,
         error: str | None = None,
         result: dict[str, Any] | None = None,
+        attempt: int | None = None,
     ) -> None:
         """End the run: ``status`` (finished, failed, interrupted), ``finished_at`` now.
 
         The first final status wins: ending a run that has already ended changes nothing
         (so a ServerApp killed during teardown cannot overwrite the orchestrator's verdict).
+        With ``attempt`` (the attempt at the run that ends it: a ServerApp's), an end from an attempt older than the
+        newest one a resume requested (:data:`RESUME_REQUESTED`) changes nothing either, and is logged as a
+        :data:`STALE_END_IGNORED` event: an older attempt's ServerApp still ending cannot end the newer one's run.
         """
         if status == "running":
             raise ValueError("finish_run needs a final status: finished, failed or interrupted")
@@ -716,6 +784,7 @@ class RunLog:
                 "status": _choice("status", status, RUN_STATUSES),
                 "error": _text("error", error, nullable=True),
                 "result": _json("result", dict(result) if result is not None else None),
+                "attempt": _int("attempt", attempt, minimum=1),
                 "at": utcnow(),
             },
         )

@@ -6,9 +6,10 @@ later, and a round waits for it until its deadline. This heartbeat is crossdc's,
 
 Promises:
 
-* a beat is one UDP datagram naming the run, the datacenter and a sequence number, signed with the run's key
-  (HMAC-SHA256); :func:`decode_beat` answers None for anything else (a datagram of another run, forged, truncated,
-  oversized or random), never raises;
+* a beat is one UDP datagram naming the run, the datacenter and a sequence number, signed (HMAC-SHA256) with the
+  run's key (a local run) or its node's own key (a standing federation, below); :func:`decode_beat` answers None for
+  anything else (a datagram of another run, forged, truncated, oversized or random, or signed with a key other than
+  the one of the datacenter it names), never raises;
 * :class:`HeartbeatSender` sends a beat every ``interval_s`` from a daemon thread until stopped; a send that fails
   (the link is cut, the coordinator is gone) is retried at the next beat; with ``retarget`` it asks before every beat
   where to send it and with which key (a standing federation's node: each attempt at a run offers its own);
@@ -23,7 +24,14 @@ Promises:
   to offer it), judging begins at :meth:`HeartbeatMonitor.start`: a datacenter is given `timeout_s` from then.
 * :class:`HeartbeatOffer` is what a coordinator on a standing federation offers the datacenters in its hello: the
   UDP port its monitor listens on (on every interface; a datacenter sends to the SuperLink's host as it reaches it)
-  and a key made for this attempt at the run.
+  and the key of the node the hello goes to, :func:`node_key` of a secret made for this attempt at the run (which
+  never leaves the coordinator) and that node's id: a node's key tells nothing of another's. Its :class:`NodeKeys`
+  verify a beat naming a datacenter only with the key of the node that datacenter is bound to (:meth:`NodeKeys.bind`:
+  where discovery placed it, moved when it rejoins under a new node), none before: a node, even one whose claim was
+  refused, cannot beat for a datacenter it is not;
+* a monitor asked for port 0 takes the first free port of :data:`HEARTBEAT_PORTS_ENV` when that is set (the ports a
+  firewall opens or a container publishes, e.g. ``9200-9209``), else one the system chooses; an unusable range or
+  no free port in it is an ``OSError`` saying which (the run then goes on without a heartbeat).
 """
 
 from __future__ import annotations
@@ -32,6 +40,7 @@ import hashlib
 import hmac
 import json
 import logging
+import os
 import socket
 import threading
 import time
@@ -45,6 +54,41 @@ MAX_BEAT_BYTES = 1024
 _DIGEST = 32
 #: how many beats a monitor expects per timeout (the sender's interval is timeout / BEATS_PER_TIMEOUT)
 BEATS_PER_TIMEOUT = 6
+#: the UDP ports ("PORT" or "FIRST-LAST") a monitor asked for port 0 takes its port from (a standing federation's
+#: coordinator does); unset: any free port
+HEARTBEAT_PORTS_ENV = "CROSSDC_HEARTBEAT_PORTS"
+
+
+def heartbeat_ports(spec: str) -> range:
+    """The ports of `spec`, ``PORT`` or ``FIRST-LAST`` (1-65535); ValueError saying why for anything else."""
+    first, _, last = spec.strip().partition("-")
+    try:
+        ports = range(int(first), int(last or first) + 1)
+    except ValueError:
+        raise ValueError(f"{HEARTBEAT_PORTS_ENV}={spec!r}: expected PORT or FIRST-LAST") from None
+    if not ports or ports[0] < 1 or ports[-1] > 65535:
+        raise ValueError(f"{HEARTBEAT_PORTS_ENV}={spec!r}: expected ports from 1 to 65535, the first not above the last")
+    return ports
+
+
+def bind_udp(host: str, port: int) -> socket.socket:
+    """A UDP socket bound to (`host`, `port`); for port 0 the first free one of :data:`HEARTBEAT_PORTS_ENV` when it
+    is set. OSError (one line) if none can be bound."""
+    spec = os.environ.get(HEARTBEAT_PORTS_ENV, "").strip() if port == 0 else ""
+    try:
+        candidates = heartbeat_ports(spec) if spec else range(port, port + 1)
+    except ValueError as err:
+        raise OSError(str(err)) from None
+    sock = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
+    last: OSError | None = None
+    for candidate in candidates:
+        try:
+            sock.bind((host, candidate))
+            return sock
+        except OSError as err:
+            last = err
+    sock.close()
+    raise OSError(f"no free UDP port in {HEARTBEAT_PORTS_ENV}={spec} on {host}: {last}" if spec else str(last))
 
 
 @dataclass(frozen=True)
@@ -60,17 +104,24 @@ def encode_beat(beat: Beat, key: bytes) -> bytes:
     return body + hmac.new(key, body, hashlib.sha256).digest()
 
 
-def decode_beat(data: bytes, key: bytes, run_id: str) -> Beat | None:
-    """The beat in `data` if it is one of run `run_id` signed with `key`; None otherwise (never raises)."""
+#: which key verifies a beat naming a datacenter (None: none, the beat is refused)
+KeyOf = Callable[[str], bytes | None]
+
+
+def decode_beat(data: bytes, key: bytes | KeyOf, run_id: str) -> Beat | None:
+    """The beat in `data` if it is one of run `run_id` signed with `key`: one key for every datacenter, or
+    ``key(datacenter)``, the key of the datacenter the beat names (None: it has none); None otherwise (never raises
+    on any `data`)."""
     if not isinstance(data, bytes | bytearray) or not _DIGEST < len(data) <= MAX_BEAT_BYTES:
         return None
     body, digest = bytes(data[:-_DIGEST]), bytes(data[-_DIGEST:])
-    if not hmac.compare_digest(digest, hmac.new(key, body, hashlib.sha256).digest()):
-        return None
-    try:
+    try:  # read before it is verified (the name says which key verifies it): anything may be there
         fields = json.loads(body)
         beat = Beat(str(fields["run"]), str(fields["dc"]), int(fields["seq"]))
-    except (ValueError, TypeError, KeyError):
+    except (ValueError, TypeError, KeyError, OverflowError, RecursionError):
+        return None
+    signer = key if isinstance(key, bytes) else key(beat.datacenter)
+    if signer is None or not hmac.compare_digest(digest, hmac.new(signer, body, hashlib.sha256).digest()):
         return None
     return beat if beat.run_id == run_id else None
 
@@ -93,12 +144,49 @@ def liveness_changes(last_heard: Mapping[str, float], down: Iterable[str], now: 
 Target = tuple[tuple[str, int], bytes]
 
 
+#: what a node's heartbeat key is derived under, before its node id (see node_key)
+NODE_KEY_LABEL = b"crossdc-heartbeat:"
+
+
+def node_key(secret: bytes, node_id: int) -> bytes:
+    """The heartbeat key of the SuperNode `node_id` in the attempt at a run whose secret is `secret`:
+    HMAC-SHA256(secret, ``crossdc-heartbeat:`` + the node id in decimal)."""
+    return hmac.new(secret, NODE_KEY_LABEL + str(int(node_id)).encode(), hashlib.sha256).digest()
+
+
+class NodeKeys:
+    """One attempt's heartbeat keys on a standing federation: every node's own (:func:`node_key` of the attempt's
+    `secret`), and which node each datacenter is bound to; :meth:`key_of` a datacenter is the key of its node, None
+    while it is bound to none. Bound from the loop while the monitor's thread reads."""
+
+    def __init__(self, secret: bytes) -> None:
+        self._secret = secret
+        self._nodes: dict[str, int] = {}
+        self._lock = threading.Lock()
+
+    def for_node(self, node_id: int) -> bytes:
+        """The key of the node `node_id` (what the hello to that node offers)."""
+        return node_key(self._secret, node_id)
+
+    def bind(self, datacenter: str, node_id: int) -> None:
+        """From now on, only the key of the node `node_id` verifies a beat naming `datacenter`."""
+        with self._lock:
+            self._nodes[datacenter] = node_id
+
+    def key_of(self, datacenter: str) -> bytes | None:
+        """The key that verifies a beat naming `datacenter`: its node's; None while it is bound to none."""
+        with self._lock:
+            node = self._nodes.get(datacenter)
+        return None if node is None else self.for_node(node)
+
+
 @dataclass(frozen=True)
 class HeartbeatOffer:
-    """A standing federation's coordinator's heartbeat, as its hello offers it to the datacenters."""
+    """A standing federation's coordinator's heartbeat, as its hello offers it to the datacenters: the port, and
+    for each node its own key (:meth:`NodeKeys.for_node`)."""
 
     port: int
-    key: bytes
+    keys: NodeKeys
 
 
 class HeartbeatSender:
@@ -143,15 +231,15 @@ class HeartbeatSender:
 
 
 class HeartbeatMonitor:
-    """Receives the beats of `datacenters` of run `run_id` on (`host`, `port`) and reports changes of liveness (see
-    :func:`liveness_changes`) to `on_change(datacenter, up, silent_s)` from its own thread."""
+    """Receives the beats of `datacenters` of run `run_id` on (`host`, `port`), verified with `key` (one key, or
+    each datacenter's, see :func:`decode_beat`), and reports changes of liveness (see :func:`liveness_changes`) to
+    `on_change(datacenter, up, silent_s)` from its own thread."""
 
-    def __init__(self, host: str, port: int, run_id: str, key: bytes, datacenters: Iterable[str], timeout_s: float,
+    def __init__(self, host: str, port: int, run_id: str, key: bytes | KeyOf, datacenters: Iterable[str], timeout_s: float,
                  on_change: Callable[[str, bool, float], None], check_s: float | None = None) -> None:
         self.run_id, self.key, self.timeout_s, self.on_change = run_id, key, timeout_s, on_change
         self.check_s = check_s if check_s is not None else max(0.05, min(1.0, timeout_s / 10))
-        self.sock = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
-        self.sock.bind((host, port))
+        self.sock = bind_udp(host, port)
         self.sock.settimeout(self.check_s)
         started = time.monotonic()
         self.last_heard: dict[str, float] = {name: started for name in datacenters}

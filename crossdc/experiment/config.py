@@ -6,13 +6,17 @@ Promises:
   :data:`CONFIG_KEYS`, which docs/configuration.md documents key by key;
 - a documented key whose feature is not built yet (:data:`NOT_YET`) fails with
   "not implemented yet" instead of being silently ignored;
-- every error is a :class:`ConfigError` whose message is one line.
+- every error is a :class:`ConfigError` whose message is one line;
+- what a config may ask for is bounded (:data:`LIMITS`: rounds, τ, datacenters, workers, batch size, model sizes,
+  codecs, faults), so parsing any config takes bounded time, checked before the work a value would cost; the
+  planned inner steps are computed in closed form (:func:`inner_steps_planned`), not round by round.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import difflib
+import functools
 import json
 import math
 import re
@@ -186,11 +190,13 @@ class ExperimentConfig:
 
     def mesh_link(self, a: str, b: str) -> MeshLink | None:
         """The direct link between datacenters `a` and `b` (in either order), or None: they talk through the
-        coordinator."""
-        for mesh in self.links:
-            if {a, b} == set(mesh.between):
-                return mesh
-        return None
+        coordinator. One dictionary look-up (a run's every pair asks)."""
+        return self._mesh_links.get(frozenset((a, b)))
+
+    @functools.cached_property
+    def _mesh_links(self) -> dict[frozenset[str], MeshLink]:
+        """`links` by their pair of datacenters (built once, on first use)."""
+        return {frozenset(mesh.between): mesh for mesh in self.links}
 
     def to_json(self) -> str:
         return json.dumps(self.raw, sort_keys=True)
@@ -223,6 +229,25 @@ CONFIG_KEYS: dict[str, frozenset[str]] = {
     "compression": frozenset({"codecs", "downlink_codecs"}),
     "security": frozenset({"robust_aggregation", "trim_fraction", "norm_rejection_factor", "max_update_mb"}),
     "checkpoint": frozenset({"every_rounds", "dir", "keep"}),
+}
+
+#: The most a config may ask for, by documented key (inclusive): generous for every shipped example, benchmark and
+#: demo, and finite, so that one submitted config cannot make the service, or a run's coordinator, work without end
+#: (docs/configuration.md#limits). "strategy.tau" bounds the integer τ and a schedule's start and end;
+#: "datacenters" the number of [[datacenters]] tables; "workload.model_args" each value of the table, and
+#: "workload.model_args.layers" its `layers`; "compression.codecs" the length of each codec list (up and down);
+#: "link_faults" the number of [[link_faults]] tables.
+LIMITS: dict[str, int] = {
+    "run.rounds": 1_000_000,
+    "strategy.tau": 1_000_000,
+    "strategy.tau.warmup_rounds": 100_000,
+    "datacenters": 256,
+    "datacenters.workers": 1_024,
+    "workload.batch_size": 1_048_576,
+    "workload.model_args": 65_536,
+    "workload.model_args.layers": 1_024,
+    "compression.codecs": 16,
+    "link_faults": 1_000,
 }
 
 #: Keys of the documented format whose feature belongs to later work, by table, with their neutral value: they are
@@ -284,12 +309,20 @@ def _positive(value: float, key: str, allow_zero: bool = False) -> None:
         raise ConfigError(f"'{key}' must be {'≥ 0' if allow_zero else '> 0'}, got {value!r}")
 
 
+def _at_most(value: int, key: str, limit: str | None = None) -> None:
+    """Refuse `value` of the config key `key` above its bound LIMITS[`limit` or `key`]."""
+    most = LIMITS[limit or key]
+    if value > most:
+        raise ConfigError(f"'{key}' must be ≤ {most} (the most a config may ask for), got {value}")
+
+
 def _parse_run(doc: dict[str, Any]) -> RunSection:
     t = _table(doc, "run", required=True)
     _check_keys(t, "run", "run.")
     name = _typed(t, "name", str, "run.", "crossdc-run")
     rounds = _typed(t, "rounds", int, "run.")
     _positive(rounds, "run.rounds")
+    _at_most(rounds, "run.rounds")
     seed = _typed(t, "seed", int, "run.", 0)
     eval_every = _typed(t, "eval_every", int, "run.", 1)
     _positive(eval_every, "run.eval_every")
@@ -340,6 +373,12 @@ def _parse_workload(doc: dict[str, Any]) -> WorkloadSection:
         raise ConfigError("missing key 'workload.partition.kind'")
     batch_size = _typed(t, "batch_size", int, "workload.", 32)
     _positive(batch_size, "workload.batch_size")
+    _at_most(batch_size, "workload.batch_size")
+    model_args = dict(_typed(t, "model_args", dict, "workload.", {}))
+    for key, value in model_args.items():  # its type and sign are the workload's to check (it knows its keys)
+        if isinstance(value, int) and not isinstance(value, bool):
+            limit = "workload.model_args.layers" if key == "layers" else "workload.model_args"
+            _at_most(value, f"workload.model_args.{key}", limit)
     lr = _typed(t, "lr", float, "workload.", 1e-3)
     _positive(lr, "workload.lr")
     optimizer = _typed(t, "optimizer", str, "workload.", "adamw")
@@ -347,7 +386,7 @@ def _parse_workload(doc: dict[str, Any]) -> WorkloadSection:
     return WorkloadSection(
         dataset=_typed(t, "dataset", str, "workload."),
         model=_typed(t, "model", str, "workload.", None),
-        model_args=dict(_typed(t, "model_args", dict, "workload.", {})),
+        model_args=model_args,
         partition=dict(partition),
         batch_size=batch_size,
         optimizer=optimizer,
@@ -390,6 +429,7 @@ def _parse_tau(value: Any) -> TauSchedule:
     if isinstance(value, int) and not isinstance(value, bool):
         if value <= 0:
             raise ConfigError(f"'strategy.tau' must be > 0, got {value}")
+        _at_most(value, "strategy.tau")
         return TauSchedule(start=value, end=value, warmup_rounds=0)
     if not isinstance(value, dict):
         raise ConfigError(f"'strategy.tau' must be an integer or a table {{ start, end, warmup_rounds }}, got {value!r}")
@@ -401,6 +441,9 @@ def _parse_tau(value: Any) -> TauSchedule:
     _positive(start, "strategy.tau.start")
     _positive(end, "strategy.tau.end")
     _positive(warmup, "strategy.tau.warmup_rounds", allow_zero=True)
+    _at_most(start, "strategy.tau.start", "strategy.tau")
+    _at_most(end, "strategy.tau.end", "strategy.tau")
+    _at_most(warmup, "strategy.tau.warmup_rounds")
     if kind not in ("linear", "geometric"):
         raise ConfigError(f"'strategy.tau.kind' must be 'linear' or 'geometric', got {kind!r}")
     return TauSchedule(start=start, end=end, warmup_rounds=warmup, kind=kind)
@@ -448,6 +491,9 @@ def _parse_datacenters(doc: dict[str, Any]) -> tuple[DatacenterSection, ...]:
         raise ConfigError("no datacenters: add at least one [[datacenters]] table with a name")
     if not isinstance(items, list) or not all(isinstance(i, dict) for i in items):
         raise ConfigError("'datacenters' must be an array of tables ([[datacenters]])")
+    if len(items) > LIMITS["datacenters"]:
+        raise ConfigError(f"at most {LIMITS['datacenters']} datacenters (the most a config may ask for), got "
+                          f"{len(items)} [[datacenters]] tables")
     result = []
     seen: set[str] = set()
     for index, t in enumerate(items):
@@ -461,6 +507,7 @@ def _parse_datacenters(doc: dict[str, Any]) -> tuple[DatacenterSection, ...]:
         seen.add(name)
         workers = _typed(t, "workers", int, where, 1)
         _positive(workers, where + "workers")
+        _at_most(workers, where + "workers", "datacenters.workers")
         speed = _typed(t, "speed", float, where, 1.0)
         _positive(speed, where + "speed")
         if speed > 1.0:
@@ -491,16 +538,17 @@ def _parse_links(doc: dict[str, Any], datacenters: tuple[DatacenterSection, ...]
         raise ConfigError("'links' must be an array of tables ([[links]])")
     names = [dc.name for dc in datacenters]
     links: list[MeshLink] = []
+    index_of: dict[frozenset[str], int] = {}  # each pair's [[links]] index: a second table for it is an error
     for index, t in enumerate(items):
         where = f"links[{index}]."
         _check_keys(t, "links", where)
         if "between" not in t:
             raise ConfigError(f"missing key '{where}between'")
         pair = _parse_between(t, where, names)
-        for other, earlier in enumerate(links):
-            if set(pair) == set(earlier.between):
-                raise ConfigError(f"'links[{other}]' and 'links[{index}]' both join {pair[0]!r} and {pair[1]!r}: "
-                                  f"give each pair one link")
+        other = index_of.setdefault(frozenset(pair), index)
+        if other != index:
+            raise ConfigError(f"'links[{other}]' and 'links[{index}]' both join {pair[0]!r} and {pair[1]!r}: "
+                              f"give each pair one link")
         spec = _parse_link({k: v for k, v in t.items() if k != "between"}, f"links[{index}]", table="links")
         assert spec is not None  # a table always gives a link
         links.append(MeshLink(between=pair, link=spec))
@@ -512,7 +560,11 @@ def _parse_link_faults(doc: dict[str, Any], datacenters: tuple[DatacenterSection
     items = doc.get("link_faults", [])
     if not isinstance(items, list) or not all(isinstance(i, dict) for i in items):
         raise ConfigError("'link_faults' must be an array of tables ([[link_faults]])")
+    if len(items) > LIMITS["link_faults"]:
+        raise ConfigError(f"at most {LIMITS['link_faults']} link faults (the most a config may ask for), got "
+                          f"{len(items)} [[link_faults]] tables")
     names = [dc.name for dc in datacenters]
+    mesh_of = {frozenset(m.between): m for m in links}
     faults = []
     for index, t in enumerate(items):
         where = f"link_faults[{index}]."
@@ -529,7 +581,7 @@ def _parse_link_faults(doc: dict[str, Any], datacenters: tuple[DatacenterSection
                 raise ConfigError(f"'{where}datacenter' = {name!r} is not a configured datacenter ({', '.join(names)})")
         else:
             pair = _parse_between(t, where, names)
-            mesh = next((m for m in links if set(m.between) == set(pair)), None)
+            mesh = mesh_of.get(frozenset(pair))
             if mesh is None:
                 listed = ", ".join(f"{m.between[0]}<->{m.between[1]}" for m in links) or "none"
                 raise ConfigError(f"'{where}between' = {list(pair)!r} is not a link listed in [[links]] (listed: {listed})")
@@ -561,6 +613,9 @@ def _codec_list(t: dict[str, Any], key: str) -> tuple[str, ...]:
     codecs = t.get(key, [])
     if not isinstance(codecs, list) or not all(isinstance(c, str) for c in codecs):
         raise ConfigError(f"'compression.{key}' must be a list of strings like [\"topk:0.01\", \"int8\"], got {codecs!r}")
+    if len(codecs) > LIMITS["compression.codecs"]:
+        raise ConfigError(f"'compression.{key}' may list at most {LIMITS['compression.codecs']} codecs (the most a "
+                          f"config may ask for), got {len(codecs)}")
     if codecs:
         from crossdc.compression.base import CodecConfigError  # torch: only when compression is asked for
         from crossdc.compression.pipeline import build_pipeline_codecs
@@ -623,7 +678,8 @@ def parse_config(doc: dict[str, Any]) -> ExperimentConfig:
     _check_keys(doc, "", "")
     run = _parse_run(doc)
     datacenters = _parse_datacenters(doc)
-    batch_size = _parse_workload(doc).batch_size
+    workload = _parse_workload(doc)
+    batch_size = workload.batch_size
     for dc in datacenters:
         if batch_size % dc.workers:
             raise ConfigError(f"'workload.batch_size' = {batch_size} must be divisible by datacenter '{dc.name}''s "
@@ -633,7 +689,7 @@ def parse_config(doc: dict[str, Any]) -> ExperimentConfig:
     links = _parse_links(doc, datacenters)
     config = ExperimentConfig(
         run=run,
-        workload=_parse_workload(doc),
+        workload=workload,
         strategy=_parse_strategy(doc),
         datacenters=datacenters,
         link_faults=_parse_link_faults(doc, datacenters, links),
@@ -652,9 +708,9 @@ def parse_config(doc: dict[str, Any]) -> ExperimentConfig:
 
 def inner_steps_planned(config: ExperimentConfig) -> int:
     """The inner steps each datacenter is planned to take in the whole run: τ summed over run.rounds (the horizon of
-    the inner learning-rate schedule; an asynchronous datacenter may take more or fewer, see docs)."""
-    tau = config.strategy.tau
-    return sum(tau.tau(r) for r in range(1, config.run.rounds + 1))
+    the inner learning-rate schedule; an asynchronous datacenter may take more or fewer, see docs), in closed form
+    (:meth:`TauSchedule.total`)."""
+    return config.strategy.tau.total(config.run.rounds)
 
 
 def load_config(path: str | Path) -> ExperimentConfig:

@@ -4,6 +4,13 @@ Promises: every process is started in its own session (process group), so
 stopping it also stops what it spawned (Flower's SuperExec, ServerApp and
 ClientApp processes); :meth:`ProcessGroup.stop_all` stops them in reverse
 start order, SIGTERM first and SIGKILL after a grace period, and reaps them.
+
+A process a run starts dies with the process that started the run (its
+*root*), even when that one dies by SIGKILL: a direct child gets SIGKILL from
+the kernel (:func:`die_with_parent`), and every crossdc process, however deep
+and whoever its parent (Flower's SuperExec, a fork server, a trainer), calls
+:func:`die_with_run_root` first thing, which SIGKILLs it as soon as the root
+named by :data:`RUN_ROOT_ENV` is gone (or at once if it is gone already).
 """
 
 from __future__ import annotations
@@ -11,12 +18,14 @@ from __future__ import annotations
 import ctypes
 import os
 import secrets
+import select
 import signal
 import socket
 import subprocess
 import sys
+import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import IO
@@ -168,9 +177,114 @@ def flower_env(flwr_home: Path) -> dict[str, str]:
 
 
 def die_with_parent() -> None:
-    """In the child, before exec: ask the kernel for SIGTERM when the starting process dies (even by SIGKILL)."""
+    """In the child, before exec: ask the kernel for SIGKILL when the starting process dies (even by SIGKILL).
+
+    SIGKILL, not SIGTERM: a parent that died left nobody to stop its children in order, and a child slow to act on
+    SIGTERM (a trainer stopping its worker group, Flower's graceful exits) outlived it by seconds. The kernel sends it
+    when the *thread* that started the child ends: start children from a thread that lives as long as they should.
+    Processes deeper down are covered by :func:`die_with_run_root`."""
     if _LIBC is not None:  # elsewhere than Linux the orchestrator's own clean-up still applies
-        _LIBC.prctl(_PR_SET_PDEATHSIG, signal.SIGTERM)
+        _LIBC.prctl(_PR_SET_PDEATHSIG, signal.SIGKILL)
+
+
+def die_with_parent_now(parent_pid: int) -> None:
+    """In a process already running (not a preexec) that `parent_pid` started: ask the kernel for SIGKILL when that
+    parent (its starting thread) ends, and SIGKILL this process at once if it has ended already (getppid() is no longer
+    `parent_pid`): a parent that died before the request would never send the signal."""
+    if _LIBC is not None:
+        _LIBC.prctl(_PR_SET_PDEATHSIG, signal.SIGKILL)
+    if os.getppid() != parent_pid:
+        _kill_self()
+
+
+#: names the process the run's processes live and die with (its root: `crossdc run`, `crossdc resume`, `crossdc node
+#: start`, a test's own process) as "PID:START", START being its start time in clock ticks since boot, so that a
+#: recycled pid is never taken for it; set by whoever starts the run (:func:`run_root_env`), inherited by everything
+#: the run starts, Flower's processes and what they start included
+RUN_ROOT_ENV = "CROSSDC_RUN_ROOT"
+#: the process whose watch die_with_run_root started (a forked child inherits the value, not the thread)
+_watching_in: int | None = None
+#: how often a watch without a pidfd (older kernels) looks whether the root is still there
+ROOT_POLL_S = 0.1
+
+
+def process_start(pid: int) -> int | None:
+    """The start time of `pid` in clock ticks since boot (tells a process from a later one with its recycled pid);
+    None if there is no such process."""
+    try:
+        return int(Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[-1].split()[19])
+    except (OSError, IndexError, ValueError):
+        return None
+
+
+def process_identity(pid: int) -> str | None:
+    """"PID:START" of the live process `pid` (see :data:`RUN_ROOT_ENV`), None if there is none."""
+    start = process_start(pid)
+    return None if start is None else f"{pid}:{start}"
+
+
+def parse_process_identity(value: str) -> tuple[int, int] | None:
+    """(pid, start) of a "PID:START" identity; None for anything else (empty, malformed, non-positive)."""
+    pid, sep, start = value.strip().partition(":")
+    if not sep or not pid.isdigit() or not start.isdigit() or int(pid) <= 0:
+        return None
+    return int(pid), int(start)
+
+
+def run_root_env(pid: int | None = None) -> dict[str, str]:
+    """The environment entry that makes `pid` (default: this process) the root of the processes started with it."""
+    identity = process_identity(os.getpid() if pid is None else pid)
+    return {} if identity is None else {RUN_ROOT_ENV: identity}
+
+
+def same_process_alive(pid: int, start: int) -> bool:
+    """Whether the process `pid` that started at `start` is still running (not gone, not a zombie, not recycled)."""
+    return process_start(pid) == start and is_running(pid)
+
+
+def die_with_run_root(environ: Mapping[str, str] | None = None) -> int | None:
+    """Call first thing in every crossdc process of a run: SIGKILL this process as soon as the run's root (named by
+    :data:`RUN_ROOT_ENV` in `environ`, default this process's environment) has died, and at once if it already has
+    (it died, or its pid now names another process, before this process got here: the race of any parent-death
+    signal set late). A daemon thread waits on the root's pidfd (it polls every :data:`ROOT_POLL_S` where pidfds do
+    not exist); it neither depends on this process's parent nor on which of the parent's threads started it.
+    Returns the root's pid, or None when there is nothing to watch (no root named, or this process is the root)."""
+    global _watching_in
+    value = (os.environ if environ is None else environ).get(RUN_ROOT_ENV, "")
+    root = parse_process_identity(value)
+    if root is None or root[0] == os.getpid():
+        return None
+    pid, start = root
+    if _watching_in == os.getpid():  # called twice in one process (a fork's child watches again: it has no thread)
+        return pid
+    _watching_in = os.getpid()
+    pidfd: int | None = None
+    try:
+        pidfd = os.pidfd_open(pid)
+    except ProcessLookupError:
+        _kill_self()
+    except (AttributeError, OSError):  # no pidfd here: poll
+        pidfd = None
+    if not same_process_alive(pid, start):  # checked once the pidfd is open: from here on it names the root
+        _kill_self()
+    threading.Thread(target=_await_root, args=(pid, start, pidfd), name="crossdc-run-root", daemon=True).start()
+    return pid
+
+
+def _await_root(pid: int, start: int, pidfd: int | None) -> None:
+    if pidfd is not None:
+        poller = select.poll()
+        poller.register(pidfd, select.POLLIN)
+        while not poller.poll():  # readable once the root has exited
+            pass
+    else:
+        while same_process_alive(pid, start):
+            time.sleep(ROOT_POLL_S)
+    _kill_self()
+
+
+def _kill_self() -> None:
+    os.kill(os.getpid(), signal.SIGKILL)
 
 
 _CLONE_NEWNET = 0x40000000
@@ -204,11 +318,13 @@ def processes_with_env(name: str, value: str) -> list[int]:
     return found
 
 
-def kill_processes_with_env(name: str, value: str, grace_s: float = 5.0) -> list[int]:
-    """SIGTERM, then SIGKILL after `grace_s`, every process whose environment has name=value; returns their pids."""
+def kill_processes_with_env(name: str, value: str, grace_s: float = 5.0,
+                            first: signal.Signals = signal.SIGTERM) -> list[int]:
+    """Send `first` (SIGTERM), then SIGKILL after `grace_s`, to every process whose environment has name=value;
+    returns their pids. With `first` SIGKILL, waits up to `grace_s` for them to be gone."""
     pids = processes_with_env(name, value)
     for pid in pids:
-        _signal_pid(pid, signal.SIGTERM)
+        _signal_pid(pid, first)
     deadline = time.monotonic() + grace_s
     while time.monotonic() < deadline and any(is_running(pid) for pid in pids):
         time.sleep(0.1)

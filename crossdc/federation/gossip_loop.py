@@ -132,7 +132,7 @@ def _gossip(grid: Grid, run_dir: RunDir, run_id: str, config: ExperimentConfig, 
     rejoined: dict[str, int] = {}  # datacenter → the round it rejoined at (it has no report of the rounds before)
     last_news = dict.fromkeys(names, time.monotonic())
     while logged < config.run.rounds:
-        rediscover(grid, nodes, seen_nodes, config, runlog, run_id, logged + 1)
+        rediscover(grid, nodes, seen_nodes, config, runlog, run_id, logged + 1, heartbeat=session.heartbeat_offer)
         replies = _ask(grid, session, nodes, protocol.GOSSIP_REPORT, run_id, run_dir, attempt, acknowledged, REPORT_WAIT_S,
                        REPORT_WAIT_S + REPORT_GRACE_S, received=taken)
         for name, reply in replies.items():

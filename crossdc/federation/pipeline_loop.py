@@ -124,7 +124,8 @@ def _pipeline(grid: Grid, run_dir: RunDir, run_id: str, config: ExperimentConfig
     for server_round in range(first_round, config.run.rounds + 1):
         round_started = time.perf_counter()
         if server_round > first_round:
-            rediscover(grid, nodes, seen_nodes, config, runlog, run_id, server_round)
+            rediscover(grid, nodes, seen_nodes, config, runlog, run_id, server_round,
+                       heartbeat=session.heartbeat_offer)
         tau = strategy.tau(server_round)
         evaluated = server_round % config.run.eval_every == 0 or server_round == config.run.rounds
         checkpointed = checkpointer is not None and checkpointer.due(server_round)

@@ -39,7 +39,7 @@ from crossdc.compression.downlink import DownlinkSender, FragmentDownlink, weigh
 from crossdc.db.errors import DatabaseUnavailable
 from crossdc.db.records import DatacenterRoundRecord
 from crossdc.db.runlog import RunLog
-from crossdc.deployment.heartbeat import HeartbeatMonitor, HeartbeatOffer
+from crossdc.deployment.heartbeat import HeartbeatMonitor, HeartbeatOffer, NodeKeys
 from crossdc.experiment.builders import build_strategy, build_workload, initial_model
 from crossdc.experiment.config import ExperimentConfig
 from crossdc.experiment.rundir import SETTINGS_HEARTBEAT, SETTINGS_LINK_EMULATOR, SETTINGS_SUPERLINK, RunDir
@@ -170,28 +170,30 @@ class RoundSession:
         """Open the heartbeat monitor's socket (judging starts with :meth:`watch_liveness`) when the run asks for a
         heartbeat (``run.heartbeat_timeout_s`` > 0): where its settings say (a local run: its datacenters reach the
         coordinator there, signing with the run's key), or, for a run on a standing federation, on a free port of
-        every interface with a key made now, both offered to the datacenters in the hello (:attr:`heartbeat_offer`).
+        every interface with a secret made now, the port and each node's own key offered in the hello
+        (:attr:`heartbeat_offer`; a datacenter's beats verified with the key of the node discovery bound it to:
+        beats that come before, once the hello started its trainer, wait in the socket until judging starts).
         A port that cannot be had leaves the run without a heartbeat (a ``heartbeat-off`` event)."""
         timeout_s = self.config.run.heartbeat_timeout_s
         if self.liveness is not None or timeout_s <= 0 or self.run_dir is None:
             return
         settings = self.run_dir.settings()
-        address, key = settings.get(SETTINGS_HEARTBEAT), None
+        address, keys = settings.get(SETTINGS_HEARTBEAT), None
         if not address and settings.get(SETTINGS_SUPERLINK):
-            address, key = ["0.0.0.0", 0], secrets.token_bytes(32)
+            address, keys = ["0.0.0.0", 0], NodeKeys(secrets.token_bytes(32))
         if not address:
             return
         try:
             self.liveness = HeartbeatMonitor(str(address[0]), int(address[1]), self.run_id,
-                                             key if key is not None else self.run_dir.authkey(),
+                                             keys.key_of if keys is not None else self.run_dir.authkey(),
                                              self.config.datacenter_names, timeout_s, self._liveness_changed)
         except OSError as err:  # the port is taken: the run goes on, dead datacenters are found by the deadline
             log.warning("no heartbeat monitor on %s: %s", address, err)
             if self.runlog is not None:
                 self.runlog.log_event(run_id=self.run_id, kind="heartbeat-off", detail=f"{address}: {err}")
             return
-        if key is not None:
-            self.heartbeat_offer = HeartbeatOffer(self.liveness.port, key)
+        if keys is not None:
+            self.heartbeat_offer = HeartbeatOffer(self.liveness.port, keys)
 
     def watch_liveness(self) -> None:
         """Start judging the datacenters' heartbeats (binding the monitor first if :meth:`bind_liveness` has not): a

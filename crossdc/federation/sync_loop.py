@@ -51,9 +51,11 @@ MAX_ROUNDS_WITHOUT_UPDATES = 3
 
 
 def run_federation(grid: Grid, run_dir: RunDir) -> dict[str, Any]:
-    """Run the experiment of `run_dir` to its end on `grid`; returns the run's summary."""
+    """Run the experiment of `run_dir` to its end on `grid`; returns the run's summary. The run's end is recorded as
+    this attempt's (the settings' attempt): ignored if a resume has started a newer one (:meth:`RunLog.finish_run`)."""
     settings = run_dir.settings()  # unreadable: nothing to log to; the orchestrator sees Flower end the run
     run_id: str = settings["run_id"]
+    attempt = int(settings.get(SETTINGS_ATTEMPT, 1))
     runlog = RunLog(settings["db_url"], max_outage_s=float(settings.get("db_max_outage_s", 300.0)))
     try:
         config = parse_config(settings["config"])
@@ -76,7 +78,7 @@ def run_federation(grid: Grid, run_dir: RunDir) -> dict[str, Any]:
             summary = run_async(grid, run_dir, run_id, config, runlog)
         else:
             summary = _run(grid, run_dir, run_id, config, runlog)
-        runlog.finish_run(run_id=run_id, status="finished", result=summary)
+        runlog.finish_run(run_id=run_id, status="finished", result=summary, attempt=attempt)
         runlog.flush(timeout=60)
         return summary
     except BaseException as err:
@@ -86,7 +88,7 @@ def run_federation(grid: Grid, run_dir: RunDir) -> dict[str, Any]:
         log.error("run %s %s: %s\n%s", run_id, status, message, traceback.format_exc())
         try:
             runlog.log_event(run_id=run_id, kind="run-" + status, detail=message)
-            runlog.finish_run(run_id=run_id, status=status, error=message)
+            runlog.finish_run(run_id=run_id, status=status, error=message, attempt=attempt)
             runlog.flush(timeout=30)
         except Exception:
             log.exception("could not record the end of the run in the run log")

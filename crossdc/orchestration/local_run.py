@@ -11,10 +11,13 @@ links).
 Promises: every process it starts (trainers, SuperLink, SuperNodes and what
 Flower spawns under them) is stopped when the run ends — on success, on error
 and on Ctrl-C — and the run's row in SQL ends as finished, failed or
-interrupted, never "running". A gossip run's coordinator is off the training
-path: if its ServerApp dies without recording the run's end (killed), the run
-submits the app again (attempt 2 and on; at most MAX_COORDINATOR_RESTARTS
-times), which catches up on what the datacenters trained meanwhile
+interrupted, never "running". If this process itself is killed (SIGKILL, the
+OOM killer), every one of them dies within seconds without recording anything
+(crossdc.experiment.processes.die_with_run_root): the row stays "running"
+until `crossdc resume` continues the run. A gossip run's coordinator is off
+the training path: if its ServerApp dies without recording the run's end
+(killed), the run submits the app again (attempt 2 and on; at most
+MAX_COORDINATOR_RESTARTS times), which catches up on what the datacenters trained meanwhile
 (crossdc.federation.gossip_loop). The same ServerApp/ClientApp code runs under
 Flower's Deployment Engine (``engine="deployment"``) and its simulation
 (``engine="simulation"``).
@@ -47,18 +50,24 @@ from crossdc.clients.channel import TrainerUnavailable, call_trainer
 from crossdc.db.engine import absolute_database_url, make_engine, upgrade
 from crossdc.db.errors import DatabaseUnavailable
 from crossdc.db.queries import get_run, get_run_at, list_rounds
-from crossdc.db.runlog import RunLog
+from crossdc.db.runlog import RESUME_REQUESTED, RunLog
+from crossdc.db.security import record_audit_now
 from crossdc.deployment.superlink_control import ControlError, SuperLinkControl
 from crossdc.experiment.config import ExperimentConfig
 from crossdc.experiment.processes import (
     ManagedProcess,
     ProcessGroup,
+    die_with_parent,
     ensure_port_free,
     flower_env,
     free_port,
     is_running,
     kill_processes_with_env,
+    parse_process_identity,
+    process_identity,
     processes_with_env,
+    run_root_env,
+    same_process_alive,
     venv_bin,
     wait_for_port,
 )
@@ -129,6 +138,9 @@ class LocalRunOptions:
     resume: bool = False
     #: let the run's trainers spoil an update on request (chaos tests only: crossdc.clients.fault_injection)
     fault_injection: bool = False
+    #: with `superlink`: who submits, for the audit log (`crossdc run` and `crossdc resume`: "cli:<user>"); None: not
+    #: audited here (the API audits the runs it submits itself)
+    audited_as: str | None = None
 
 
 class Detached(Exception):
@@ -163,9 +175,11 @@ def _command_line(pid: int) -> str:
 
 def run_env(run_dir: RunDir) -> dict[str, str]:
     """Environment for the run's processes: Flower's (processes.flower_env) with the run's FLWR_HOME, one thread per
-    process, and a marker (CROSSDC_RUN_DIR) that every process Flower spawns inherits, so clean-up can find them all."""
+    process, a marker (CROSSDC_RUN_DIR) that every process Flower spawns inherits, so clean-up can find them all, and
+    this process as the run's root (processes.RUN_ROOT_ENV: every crossdc process of the run dies with it)."""
     env = flower_env(run_dir.flwr_home)
     env[RUN_MARKER_ENV] = str(run_dir.path)
+    env.update(run_root_env())
     env.update(OMP_NUM_THREADS="1", MKL_NUM_THREADS="1")
     return env
 
@@ -184,13 +198,19 @@ def write_flower_app(run_dir: RunDir, superlink_address: str, root_certificates:
 
 
 def start_superlink(processes: ProcessGroup, run_dir: RunDir, host: str, port: int) -> ManagedProcess:
-    """Start Flower's SuperLink (plain HTTP) on `host`:`port` as one of `processes`, logging to the run's
-    superlink.log; RunFailed if it does not listen, or if something else already did."""
+    """Start Flower's SuperLink (plain HTTP) on `host`:`port` and the SuperExec that launches its ServerApps as two of
+    `processes`, logging to the run's superlink.log; RunFailed if it does not listen, or if something else already did.
+
+    The SuperExec is Flower's own, with the arguments the SuperLink would give it, but started here (the SuperLink's
+    ``--isolation process``) rather than by the SuperLink: a child of this process, it dies with it (SIGKILL from the
+    kernel). Started by the SuperLink, it outlived a killed run by tens of seconds or more: its only watch is Flower's
+    poll of its parent, whose graceful exit then waited on a connection to the dead SuperLink's emulated address."""
     ensure_port_free(HOST, port)
     ensure_port_free(host, port)
     superlink = processes.start(
         "superlink",
-        [venv_bin("flower-superlink"), "--insecure", "--disable-runtime-dependency-installation", "--host", host, "--port", str(port)],
+        [venv_bin("flower-superlink"), "--insecure", "--disable-runtime-dependency-installation", "--isolation", "process",
+         "--host", host, "--port", str(port)],
         run_dir.logs / "superlink.log", env=run_env(run_dir),
     )
     try:
@@ -200,6 +220,9 @@ def start_superlink(processes: ProcessGroup, run_dir: RunDir, host: str, port: i
     time.sleep(0.5)
     if superlink.process.poll() is not None:  # something else answered on the port: never join another run's SuperLink
         raise RunFailed(f"the SuperLink exited at start-up (code {superlink.process.returncode}); see {superlink.log_path}")
+    processes.start("superexec", [venv_bin("flower-superexec"), "--insecure", "--runtime-api-address", f"{host}:{port}",
+                                  "--parent-pid", str(superlink.process.pid)],
+                    run_dir.logs / "superlink.log", env=run_env(run_dir))
     return superlink
 
 
@@ -210,7 +233,7 @@ def submit_flower_app(run_dir: RunDir, run_config: dict[str, str | int]) -> int:
     overrides.write_text("".join(f"{key} = {json.dumps(value)}\n" for key, value in run_config.items()))
     completed = subprocess.run(
         [venv_bin("flwr"), "run", str(run_dir.app_dir), "crossdc", "--run-config", str(overrides), "--format", "json"],
-        env=run_env(run_dir), capture_output=True, text=True, timeout=120,
+        env=run_env(run_dir), capture_output=True, text=True, timeout=120, preexec_fn=die_with_parent,
     )
     try:
         answer = json.loads(completed.stdout)
@@ -243,6 +266,8 @@ class LocalRun:
 
     # --------------------------------------------------------------- set-up
     def prepare(self) -> None:
+        if self.options.resume and self.options.superlink is None:
+            self._stop_earlier_attempts()
         if self.options.engine == "simulation" and (self.config.link_faults or self.config.links
                                                      or any(dc.link for dc in self.config.datacenters)):
             raise RunFailed("WAN links and link faults are emulated between SuperNodes and the SuperLink: "
@@ -269,16 +294,27 @@ class LocalRun:
                 settings[SETTINGS_URL] = before[SETTINGS_URL]
         self.run_dir.create(settings)
         if self.options.superlink is None:  # on a standing federation the coordinator is the SuperLink's ServerApp
-            (self.run_dir.path / COORDINATOR_PID_FILE).write_text(str(os.getpid()))
+            (self.run_dir.path / COORDINATOR_PID_FILE).write_text(process_identity(os.getpid()) or str(os.getpid()))
         with RunLog(self.options.db_url) as runlog:
             if self.options.resume:
+                # the new attempt is named before the run is running again: an older attempt's end is ignored from then on
+                runlog.log_event(run_id=self.run_id, kind=RESUME_REQUESTED, detail={"attempt": settings[SETTINGS_ATTEMPT]})
                 runlog.resume_run(run_id=self.run_id)
-                runlog.log_event(run_id=self.run_id, kind="resume-requested",
-                                 detail={"attempt": settings[SETTINGS_ATTEMPT]})
             else:
                 runlog.start_run(run_id=self.run_id, name=self.config.run.name, strategy=self.config.strategy.name,
                                  config=self.config.raw, rounds_planned=self.config.run.rounds)
             runlog.flush(timeout=30)
+
+    def _stop_earlier_attempts(self) -> None:
+        """Before a local resume: SIGKILL whatever of the run's earlier attempts still runs here (found by the run's
+        marker; SIGKILL, so that none records an end of its own). Every process of a run dies with its root
+        (processes.die_with_run_root), so this is normally nothing; one that lived on (started by an older crossdc)
+        would share the datacenters' trainer sockets with the new attempt, and an orphaned ServerApp would record its
+        own end ("interrupted: SystemExit: 0") over the resumed attempt's."""
+        pids = kill_processes_with_env(RUN_MARKER_ENV, str(self.run_dir.path), grace_s=10.0, first=signal.SIGKILL)
+        if pids:
+            log.warning("stopped %d process(es) an earlier attempt at run %s left running: %s", len(pids), self.run_id,
+                        ", ".join(map(str, sorted(pids))))
 
     def _choose_emulator(self) -> str:
         """"delay-line" (datacenters in network namespaces) where this machine allows it, else "relay" (said once)."""
@@ -606,7 +642,9 @@ class LocalRun:
                 runlog.flush(timeout=30)
         except Exception as err:
             self._mark_ended("failed", f"{type(err).__name__}: {err}".splitlines()[0])
+            self._audit_submission("failed", {"reason": f"{type(err).__name__}: {err}".splitlines()[0]})
             raise
+        self._audit_submission("ok", {"flower_run_id": str(flower_run_id)})
         if self.options.detach:
             return LocalRunResult(self.run_id, {"run_id": self.run_id, "flower_run_id": str(flower_run_id), "detached": True},
                                   self.run_dir.path)
@@ -616,6 +654,22 @@ class LocalRun:
             raise Detached(self.run_id) from None
         summary.setdefault("flower_run_id", str(flower_run_id))
         return LocalRunResult(self.run_id, summary, self.run_dir.path)
+
+    def _audit_submission(self, outcome: str, detail: dict[str, Any]) -> None:
+        """One audit row for this run submitted (or resubmitted) to a standing federation on behalf of
+        `options.audited_as` (none when that is None); a database that refuses it is logged, never fatal."""
+        if self.options.audited_as is None:
+            return
+        action = "resume-run" if self.options.resume else "submit-run"
+        detail = {"name": self.config.run.name, "strategy": self.config.strategy.name,
+                  "superlink": self.options.superlink, **detail}
+        engine = make_engine(self.options.db_url)
+        try:
+            record_audit_now(engine, action, outcome, actor=self.options.audited_as, target=self.run_id, detail=detail)
+        except Exception as err:  # noqa: BLE001 - the run is submitted (or failed) whatever the audit log says
+            log.warning("could not record %s of run %s in the audit log: %s", action, self.run_id, err)
+        finally:
+            engine.dispose()
 
     def teardown(self) -> None:
         """Stop every process of the run, including what Flower started detached; close the links."""
@@ -629,9 +683,20 @@ class LocalRun:
             if self.network is not None:
                 self.network.close()
             self.run_dir.remove_sockets()
+            self._release_coordinator_file()
         finally:
             for sig, handler in previous.items():
                 signal.signal(sig, handler)
+
+    def _release_coordinator_file(self) -> None:
+        """This process coordinates the run no more: remove the run's coordinator file if it names this process (a
+        resume may then start while this process lives on, e.g. a program that ran the run in-process)."""
+        path = self.run_dir.path / COORDINATOR_PID_FILE
+        try:
+            if path.read_text().strip() in {process_identity(os.getpid()), str(os.getpid())}:
+                path.unlink()
+        except OSError:
+            pass
 
     def _simulate(self) -> dict[str, Any]:
         from flwr.simulation import run_simulation
@@ -704,11 +769,20 @@ COORDINATOR_PID_FILE = "coordinator.pid"
 
 
 def coordinator_alive(run_dir: RunDir) -> int | None:
-    """The pid of the process coordinating the run in `run_dir` if it is still alive, else None."""
+    """The pid of the process coordinating the run in `run_dir` if it is still alive, else None. The file holds the
+    coordinator's "PID:START" (processes.process_identity), so a recycled pid is not taken for it; a file of an older
+    crossdc holds the pid alone, whose command line must then name crossdc."""
     try:
-        pid = int((run_dir.path / COORDINATOR_PID_FILE).read_text().strip())
-    except (OSError, ValueError):
+        text = (run_dir.path / COORDINATOR_PID_FILE).read_text().strip()
+    except OSError:
         return None
+    identity = parse_process_identity(text)
+    if identity is not None:
+        pid, start = identity
+        return pid if pid != os.getpid() and same_process_alive(pid, start) else None
+    if not text.isdigit():
+        return None
+    pid = int(text)
     if pid == os.getpid() or not is_running(pid):
         return None
     try:  # a recycled pid is not the coordinator

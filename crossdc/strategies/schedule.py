@@ -31,6 +31,18 @@ def tau_for_round(server_round: int, start: int, end: int, warmup_rounds: int, k
     return max(1, int(math.floor(value + 0.5)))
 
 
+def tau_sum(rounds: int, start: int, end: int, warmup_rounds: int, kind: str = "linear") -> int:
+    """Σ :func:`tau_for_round` over rounds 1..`rounds` (0 for rounds ≤ 0), exactly: the warm-up's rounds one by one
+    (at most `warmup_rounds`, which the config bounds), every later round at once as `end` × their count.
+    ValueError for the schedules tau_for_round refuses."""
+    if start < 1 or end < 1:
+        raise ValueError(f"tau must be ≥ 1, got start={start}, end={end}")
+    if rounds <= 0:
+        return 0
+    warm = min(rounds, max(warmup_rounds, 0))
+    return sum(tau_for_round(r, start, end, warmup_rounds, kind) for r in range(1, warm + 1)) + end * (rounds - warm)
+
+
 @dataclass(frozen=True)
 class TauSchedule:
     """Local steps per round: from `start` to `end` over `warmup_rounds`, moving as `kind` says (see
@@ -44,3 +56,7 @@ class TauSchedule:
     def tau(self, server_round: int) -> int:
         """τ for a 1-based round (ValueError for a schedule :func:`tau_for_round` refuses)."""
         return tau_for_round(server_round, self.start, self.end, self.warmup_rounds, self.kind)
+
+    def total(self, rounds: int) -> int:
+        """τ summed over rounds 1..`rounds` (:func:`tau_sum`: no loop over the rounds after the warm-up)."""
+        return tau_sum(rounds, self.start, self.end, self.warmup_rounds, self.kind)

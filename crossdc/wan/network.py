@@ -30,7 +30,7 @@ from pathlib import Path
 from typing import IO, Any
 
 from crossdc.experiment.links import LinkSpec
-from crossdc.experiment.processes import die_with_parent, enter_network_namespace, is_running
+from crossdc.experiment.processes import die_with_parent, enter_network_namespace, process_start, same_process_alive
 from crossdc.wan.topology import COORDINATOR, mesh_hops, star_hops
 
 log = logging.getLogger("crossdc.wan")
@@ -64,17 +64,19 @@ def namespaces_unavailable() -> str | None:
     return None
 
 
-def _process_start(pid: int) -> str | None:
-    """The kernel's start time of `pid` (tells a live owner from a recycled pid), None if it is gone."""
-    try:
-        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[-1].split()[19]
-    except (OSError, IndexError):
-        return None
+def owner_state(pid: int) -> dict[str, Any]:
+    """How a slot file names the run's owner: its pid and its start time (processes.process_start: a recycled pid is
+    not the owner), the start as text as slot files have always had it (None if `pid` is gone)."""
+    start = process_start(pid)
+    return {"pid": pid, "pid_start": None if start is None else str(start)}
 
 
 def _owner_alive(state: dict[str, Any]) -> bool:
-    pid = int(state.get("pid", -1))
-    return is_running(pid) and _process_start(pid) == state.get("pid_start")
+    """Whether the owner a slot file names (:func:`owner_state`) still runs; False for a malformed one."""
+    try:
+        return same_process_alive(int(state["pid"]), int(state["pid_start"]))
+    except (KeyError, TypeError, ValueError):
+        return False
 
 
 def _remove_run(state: dict[str, Any]) -> None:
@@ -227,7 +229,7 @@ class EmulatedNetwork:
         raise RuntimeError(f"all {SLOTS} emulator slots are taken (see {self.state_root})")
 
     def _state(self) -> dict[str, Any]:
-        return {"pid": os.getpid(), "pid_start": _process_start(os.getpid()), "network": self.network,
+        return {**owner_state(os.getpid()), "network": self.network,
                 "namespaces": [self.namespace(name) for name in self.names]}
 
     def _spec(self) -> dict[str, Any]:
